@@ -1,0 +1,14 @@
+"""kvpage: a paged KV-cache LLM inference engine (CUDA + vectorised CPU kernels, vLLM-style scheduling)."""
+import importlib
+
+__version__ = "0.1.0"
+
+# Submodules load on first use, so the pure-Python bookkeeping (kvpage.core) imports
+# without the compiled extension, and `import kvpage` stays cheap.
+_LAZY_SUBMODULES = ("ops", "core")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"kvpage.{name}")
+    raise AttributeError(f"module 'kvpage' has no attribute {name!r}")
