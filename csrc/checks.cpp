@@ -1,0 +1,167 @@
+#include "checks.h"
+
+#include <c10/util/Exception.h>
+#include <algorithm>
+#include <unordered_set>
+
+namespace kvpage {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+}  // namespace
+
+CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4,
+                    "key_cache must be [num_blocks, num_kv_heads, block_size, head_size], got ",
+                    key_cache.dim(), " dims");
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(),
+                    "value_cache shape ", value_cache.sizes(), " differs from key_cache shape ",
+                    key_cache.sizes());
+  TORCH_CHECK_TYPE(is_supported_float(key_cache.scalar_type()),
+                   "key_cache dtype must be float32, float16 or bfloat16, got ",
+                   key_cache.scalar_type());
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == key_cache.scalar_type(),
+                   "value_cache dtype ", value_cache.scalar_type(), " differs from key_cache dtype ",
+                   key_cache.scalar_type());
+  TORCH_CHECK_VALUE(value_cache.device() == key_cache.device(),
+                    "value_cache and key_cache must be on the same device");
+  TORCH_CHECK_VALUE(key_cache.is_contiguous(), "key_cache must be contiguous (use allocate_kv_cache)");
+  TORCH_CHECK_VALUE(value_cache.is_contiguous(),
+                    "value_cache must be contiguous (use allocate_kv_cache)");
+  CacheShape s{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)};
+  TORCH_CHECK_VALUE(s.num_blocks > 0 && s.num_kv_heads > 0, "key_cache has no blocks or heads");
+  TORCH_CHECK_VALUE(is_power_of_two(s.block_size) && s.block_size <= 256,
+                    "key_cache block_size must be a power of two up to 256, got ", s.block_size);
+  TORCH_CHECK_VALUE(s.head_size > 0 && s.head_size % 16 == 0 && s.head_size <= 256,
+                    "key_cache head_size must be a multiple of 16 up to 256, got ", s.head_size);
+  return s;
+}
+
+int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheShape& cache,
+                    const at::Tensor& key_cache) {
+  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
+                    query.dim(), " dims");
+  TORCH_CHECK_TYPE(query.scalar_type() == key_cache.scalar_type(), "query dtype ",
+                   query.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK_VALUE(query.device() == key_cache.device(),
+                    "query must be on the same device as key_cache");
+  TORCH_CHECK_VALUE(query.size(2) == cache.head_size, "query head_size ", query.size(2),
+                    " differs from key_cache head_size ", cache.head_size);
+  TORCH_CHECK_VALUE(query.stride(2) == 1, "query must be contiguous in its last dimension");
+  const int64_t num_heads = query.size(1);
+  TORCH_CHECK_VALUE(num_heads > 0 && num_heads % cache.num_kv_heads == 0, "query num_heads ",
+                    num_heads, " must be a positive multiple of num_kv_heads ", cache.num_kv_heads);
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out shape ", out.sizes(),
+                    " differs from query shape ", query.sizes());
+  TORCH_CHECK_TYPE(out.scalar_type() == query.scalar_type(), "out dtype ", out.scalar_type(),
+                   " differs from query dtype ", query.scalar_type());
+  TORCH_CHECK_VALUE(out.device() == query.device(), "out must be on the same device as query");
+  TORCH_CHECK_VALUE(out.stride(2) == 1, "out must be contiguous in its last dimension");
+  return num_heads / cache.num_kv_heads;
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                        const at::Tensor& like) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on device ", like.device(),
+                    ", got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                    const CacheShape& cache, int64_t min_len) {
+  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ",
+                    block_tables.size(0), " rows but seq_lens has ", seq_lens.size(0), " entries");
+  const auto lens = seq_lens.cpu();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  const int64_t capacity = block_tables.size(1) * cache.block_size;
+  for (int64_t s = 0; s < lens.numel(); ++s) {
+    TORCH_CHECK_VALUE(l[s] >= min_len && l[s] <= capacity, "seq_lens[", s, "] = ", l[s],
+                      " must be in [", min_len, ", ", capacity,
+                      "] (a block_tables row holds block_tables.size(1) * block_size tokens)");
+  }
+}
+
+void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const CacheShape& cache) {
+  const auto tables = block_tables.cpu();
+  const auto lens = seq_lens.cpu();
+  const int32_t* t = tables.data_ptr<int32_t>();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1);
+  for (int64_t s = 0; s < tables.size(0); ++s) {
+    const int64_t used = (int64_t(l[s]) + cache.block_size - 1) / cache.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = t[s * max_blocks + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < cache.num_blocks, "block_tables[", s, ", ", b, "] = ", id,
+                        " is outside the cache's ", cache.num_blocks, " blocks");
+    }
+  }
+}
+
+void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache) {
+  const auto slots = slot_mapping.cpu();
+  const int64_t* p = slots.data_ptr<int64_t>();
+  const int64_t num_slots = cache.num_blocks * cache.block_size;
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK_VALUE(p[i] >= -1 && p[i] < num_slots, "slot_mapping[", i, "] = ", p[i],
+                      " is outside the cache's ", num_slots, " slots (-1 skips a token)");
+  }
+}
+
+void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks, bool check_ranges, bool forbid_src_dst_overlap) {
+  TORCH_CHECK_TYPE(block_mapping.scalar_type() == at::kLong,
+                   "block_mapping must have dtype int64, got ", block_mapping.scalar_type());
+  TORCH_CHECK_VALUE(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+                    "block_mapping must be [n, 2] of (src, dst), got shape ", block_mapping.sizes());
+  TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), "block_mapping must be a CPU tensor");
+  if (!check_ranges) return;
+  const auto m = block_mapping.contiguous();
+  const int64_t* p = m.data_ptr<int64_t>();
+  std::unordered_set<int64_t> dsts;
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    const int64_t src = p[2 * i], dst = p[2 * i + 1];
+    TORCH_CHECK_VALUE(src >= 0 && src < num_src_blocks, "block_mapping[", i, "] source block ", src,
+                      " is outside [0, ", num_src_blocks, ")");
+    TORCH_CHECK_VALUE(dst >= 0 && dst < num_dst_blocks, "block_mapping[", i,
+                      "] destination block ", dst, " is outside [0, ", num_dst_blocks, ")");
+    // Copies run in parallel: two writers to one block would race.
+    TORCH_CHECK_VALUE(dsts.insert(dst).second, "block_mapping writes destination block ", dst,
+                      " twice");
+  }
+  if (!forbid_src_dst_overlap) return;
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    TORCH_CHECK_VALUE(!dsts.count(p[2 * i]), "block_mapping reads block ", p[2 * i],
+                      " that it also overwrites (order-dependent result)");
+  }
+}
+
+void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           int64_t num_tokens) {
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ",
+                    num_seqs + 1, " entries, got ", query_start_loc.size(0));
+  const auto loc = query_start_loc.cpu();
+  const auto lens = seq_lens.cpu();
+  const int32_t* q = loc.data_ptr<int32_t>();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(q[0] == 0, "query_start_loc[0] must be 0, got ", q[0]);
+  TORCH_CHECK_VALUE(q[num_seqs] == num_tokens, "query_start_loc[-1] = ", q[num_seqs],
+                    " must equal the number of query tokens ", num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = int64_t(q[s + 1]) - q[s];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing (at ", s, ")");
+    TORCH_CHECK_VALUE(q_len <= l[s], "seq_lens[", s, "] = ", l[s],
+                      " is shorter than its query length ", q_len);
+  }
+}
+
+}  // namespace kvpage

@@ -1,0 +1,39 @@
+// Argument validation shared by every backend. Failures raise Python ValueError / TypeError
+// naming the argument (TORCH_CHECK_VALUE / TORCH_CHECK_TYPE), never undefined behaviour.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <vector>
+
+namespace kvpage {
+
+struct CacheShape {
+  int64_t num_blocks, num_kv_heads, block_size, head_size;
+};
+
+// Validates one (key_cache, value_cache) pair and returns its shape.
+CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// query/out [num_tokens, num_heads, head_size] against a cache; returns num_heads / num_kv_heads.
+int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheShape& cache,
+                    const at::Tensor& key_cache);
+
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                        const at::Tensor& like);
+
+// seq_lens in [min_len, what one block_tables row can hold]; always on (it guards the table read).
+void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                    const CacheShape& cache, int64_t min_len);
+
+// Range checks need the index data on the host.
+void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const CacheShape& cache);
+void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache);
+void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
+                         int64_t num_dst_blocks, bool check_ranges, bool forbid_src_dst_overlap);
+
+// query_start_loc must be non-decreasing from 0 to num_tokens, each q_len <= seq_len.
+void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           int64_t num_tokens);
+
+}  // namespace kvpage

@@ -1,0 +1,164 @@
+// CPU paged attention ops: validate, plan the work items, run them on every core.
+#include <ATen/ATen.h>
+
+#include "../checks.h"
+#include "../ops.h"
+#include "dispatch.h"
+
+namespace kvpage {
+namespace cpu {
+namespace {
+
+constexpr int64_t kDefaultPartitionTokens = 512;
+
+DType to_dtype(at::ScalarType t) {
+  if (t == at::kHalf) return DType::kHalf;
+  if (t == at::kBFloat16) return DType::kBFloat16;
+  return DType::kFloat;
+}
+
+AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const CacheShape& cache, double scale) {
+  AttentionArgs a{};
+  a.dtype = to_dtype(query.scalar_type());
+  a.out = out.data_ptr();
+  a.out_token_stride = out.stride(0), a.out_head_stride = out.stride(1);
+  a.query = query.data_ptr();
+  a.q_token_stride = query.stride(0), a.q_head_stride = query.stride(1);
+  a.key_cache = key_cache.data_ptr(), a.value_cache = value_cache.data_ptr();
+  a.num_heads = query.size(1), a.num_kv_heads = cache.num_kv_heads;
+  a.block_size = cache.block_size, a.head_size = cache.head_size;
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.max_blocks_per_seq = block_tables.size(1);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.num_seqs = seq_lens.size(0);
+  a.scale = static_cast<float>(scale);
+  return a;
+}
+
+// Validation shared by decode and prefill; returns the cache shape.
+CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
+  const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_query(query, out, cache, key_cache);
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
+  check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
+  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache);
+  return cache;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Splits long contexts only when one sequence's work would leave cores idle: a sequence longer
+// than a quarter of an even per-thread share is cut into fixed partitions (vLLM's v2 idea).
+int64_t choose_partition_size(const AttentionArgs& a, int64_t requested) {
+  int64_t max_len = 1, total = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
+    total += a.seq_lens[s];
+  }
+  const int64_t single_pass = round_up(max_len, a.block_size);
+  if (requested > 0) return std::min(requested, single_pass);
+  const int64_t partition = round_up(kDefaultPartitionTokens, a.block_size);
+  const int64_t fair_share = total / (4 * at::get_num_threads());
+  return (max_len <= partition || max_len <= fair_share) ? single_pass : partition;
+}
+
+// Sequence s owns items [offset[s], offset[s + 1]); owner maps an item back to its sequence.
+struct WorkSplit {
+  std::vector<int64_t> offset;
+  std::vector<int32_t> owner;
+  int64_t size() const { return offset.back(); }
+};
+
+template <typename ItemsOf>
+WorkSplit split_work(int64_t num_seqs, const ItemsOf& items_of) {
+  WorkSplit w;
+  w.offset.assign(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) w.offset[s + 1] = w.offset[s] + items_of(s);
+  w.owner.resize(w.size());
+  for (int64_t s = 0; s < num_seqs; ++s)
+    std::fill(w.owner.begin() + w.offset[s], w.owner.begin() + w.offset[s + 1], int32_t(s));
+  return w;
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale, int64_t partition_size,
+                     bool check_ranges) {
+  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           1, check_ranges);
+  TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
+                    " tokens but seq_lens has ", seq_lens.size(0),
+                    " sequences (decode takes one query token per sequence)");
+  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size % cache.block_size == 0,
+                    "partition_size must be a non-negative multiple of block_size ", cache.block_size,
+                    ", got ", partition_size);
+  if (query.size(0) == 0) return;
+  const AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+
+  DecodePlan plan{};
+  plan.partition_size = choose_partition_size(a, partition_size);
+  const WorkSplit parts = split_work(a.num_seqs, [&](int64_t s) {
+    return (a.seq_lens[s] + plan.partition_size - 1) / plan.partition_size;
+  });
+  const int64_t num_parts = parts.size();
+  plan.part_offset = parts.offset.data(), plan.part_seq = parts.owner.data();
+
+  const bool partitioned = num_parts > a.num_seqs;
+  at::Tensor tmp;
+  if (partitioned) {
+    tmp = at::empty({num_parts * a.num_heads * (a.head_size + 2)}, query.options().dtype(at::kFloat));
+    plan.tmp_out = tmp.data_ptr<float>();
+    plan.tmp_max = plan.tmp_out + num_parts * a.num_heads * a.head_size;
+    plan.tmp_sum = plan.tmp_max + num_parts * a.num_heads;
+  }
+  const KernelTable& k = active_kernels();
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  parallel_items(num_parts * a.num_kv_heads, k.scratch_floats(a, group), [&](int64_t i, float* scratch) {
+    k.decode_item(a, plan, i / a.num_kv_heads, i % a.num_kv_heads, scratch);
+  });
+  if (!partitioned) return;
+  at::parallel_for(0, a.num_seqs * a.num_heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) k.decode_reduce(a, plan, i / a.num_heads, i % a.num_heads);
+  });
+}
+
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             double scale, bool check_ranges) {
+  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           0, check_ranges);
+  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
+  check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  if (query.size(0) == 0) return;
+  AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+
+  // A tile of query tokens times the GQA group: ~4096 fp32 accumulators, comfortably in L1/L2.
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  PrefillPlan plan{};
+  plan.tile_tokens = std::max<int64_t>(1, std::max<int64_t>(group, 4096 / a.head_size) / group);
+  const WorkSplit tiles = split_work(a.num_seqs, [&](int64_t s) {
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    return (q_len + plan.tile_tokens - 1) / plan.tile_tokens;
+  });
+  const int64_t num_tiles = tiles.size();
+  plan.tile_offset = tiles.offset.data(), plan.tile_seq = tiles.owner.data();
+
+  const KernelTable& k = active_kernels();
+  // Later tiles attend to more context: hand them out first so the last items are short.
+  parallel_items(num_tiles * a.num_kv_heads, k.scratch_floats(a, plan.tile_tokens * group),
+                 [&](int64_t i, float* scratch) {
+                   k.prefill_item(a, plan, num_tiles - 1 - i / a.num_kv_heads, i % a.num_kv_heads, scratch);
+                 });
+}
+
+}  // namespace cpu
+}  // namespace kvpage

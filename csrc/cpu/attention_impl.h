@@ -1,0 +1,273 @@
+// Paged attention math, compiled once per ISA: isa_<name>.cpp defines KVPAGE_ISA_NS and includes
+// this file. Decode and prefill share one core: a set of query rows that attend to one KV head's
+// tokens [begin, end), streamed a chunk at a time with an online softmax. Decode rows are the
+// query heads of one GQA group (so each K/V tile is read once per group); prefill rows are a tile
+// of query tokens times that group, each with its own causal limit.
+#include "kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>  // vec.h is included inside a namespace: system headers come first
+#endif
+
+#ifndef KVPAGE_ISA_NS
+#error "define KVPAGE_ISA_NS before including attention_impl.h"
+#endif
+
+namespace kvpage {
+namespace cpu {
+namespace KVPAGE_ISA_NS {
+namespace {
+
+#include "vec.h"
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+int64_t element_size(DType t) { return t == DType::kFloat ? 4 : 2; }
+
+// Online-softmax step: small enough that the chunk's scores stay in L1.
+int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 64); }
+
+struct Scratch {
+  float* q;      // [rows, head_size], pre-scaled
+  float* acc;    // [rows, head_size]
+  float* m;      // [rows] running max
+  float* l;      // [rows] running sum of exp
+  float* score;  // [rows, chunk]
+  float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit caches
+  float* vbuf;   // [chunk, head_size]
+};
+
+int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
+  const int64_t d = a.head_size, c = chunk_tokens(a);
+  return 2 * rows * d + 2 * rows + rows * c + 2 * c * d + 16;
+}
+
+Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
+  const int64_t d = a.head_size, c = chunk_tokens(a);
+  Scratch s;
+  s.q = base;
+  s.acc = s.q + rows * d;
+  s.m = s.acc + rows * d;
+  s.l = s.m + rows;
+  s.score = s.l + rows;
+  s.kbuf = s.score + rows * c;
+  s.vbuf = s.kbuf + c * d;
+  return s;
+}
+
+// Four dot products sharing q: four independent accumulators keep the FMA pipes busy.
+inline void dot_rows(const float* q, const float* k, int64_t n, int64_t d, float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* k0 = k + t * d;
+    const float *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < d; ++i) {
+      s0 += q[i] * k0[i];
+      s1 += q[i] * k1[i];
+      s2 += q[i] * k2[i];
+      s3 += q[i] * k3[i];
+    }
+    out[t] = s0, out[t + 1] = s1, out[t + 2] = s2, out[t + 3] = s3;
+  }
+  for (; t < n; ++t) {
+    const float* kt = k + t * d;
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t i = 0; i < d; ++i) s0 += q[i] * kt[i];
+    out[t] = s0;
+  }
+}
+
+// acc += sum_t p[t] * v[t]: one output row, values streamed from L1.
+inline void accumulate_values(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    if (w == 0.f) continue;  // causally masked
+    const float* vt = v + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += w * vt[i];
+  }
+}
+
+struct KVSource {
+  const AttentionArgs& a;
+  const int32_t* table;  // this sequence's block_tables row
+  int64_t kv_head;
+
+  // Pointer to a [n, head_size] fp32 view of K or V for logical block b; 16-bit caches convert into buf.
+  const float* tile(const void* cache, int64_t b, int64_t n, float* buf) const {
+    const int64_t offset = ((int64_t(table[b]) * a.num_kv_heads + kv_head) * a.block_size) * a.head_size;
+    const char* base = static_cast<const char*>(cache) + offset * element_size(a.dtype);
+    if (a.dtype == DType::kFloat) return reinterpret_cast<const float*>(base);
+    load_as_float(a.dtype, base, buf, n * a.head_size);
+    return buf;
+  }
+};
+
+// Rows r see tokens at positions <= first_pos + r / group (causal); decode passes group = rows.
+struct RowSet {
+  int64_t rows, group, first_pos;
+  int64_t limit(int64_t r) const { return first_pos + r / group; }
+};
+
+// Rescales the running state to the chunk's max and turns scores into probabilities.
+void softmax_step(const RowSet& rs, int64_t chunk, int64_t n, int64_t d, Scratch& s) {
+  for (int64_t r = 0; r < rs.rows; ++r) {
+    float* sc = s.score + r * chunk;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    const float m_new = mx > s.m[r] ? mx : s.m[r];
+    if (m_new == -INFINITY) {  // nothing visible yet for this row
+      for (int64_t t = 0; t < n; ++t) sc[t] = 0.f;
+      continue;
+    }
+    const float alpha = exp_nonpositive(s.m[r] - m_new);
+    if (alpha != 1.f) {
+      float* ac = s.acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ac[i] *= alpha;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = exp_nonpositive(sc[t] - m_new);
+      sc[t] = p;
+      sum += p;
+    }
+    s.l[r] = s.l[r] * alpha + sum;
+    s.m[r] = m_new;
+  }
+}
+
+// Attends every row to tokens [begin, end) of one KV head. begin is block aligned.
+void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+  const AttentionArgs& a = kv.a;
+  const int64_t d = a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
+  for (int64_t r = 0; r < rs.rows; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
+  std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
+  for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+    const int64_t n = imin(chunk, end - c0);
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
+      const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
+      for (int64_t r = 0; r < rs.rows; ++r) {
+        float* sc = s.score + r * chunk + t0;
+        const int64_t visible = imax(0, imin(nb, rs.limit(r) - pos0 + 1));
+        dot_rows(s.q + r * d, k, visible, d, sc);
+        for (int64_t t = visible; t < nb; ++t) sc[t] = -INFINITY;
+      }
+    }
+    softmax_step(rs, chunk, n, d, s);
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t nb = imin(bs, n - t0);
+      const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
+      for (int64_t r = 0; r < rs.rows; ++r)
+        accumulate_values(s.acc + r * d, s.score + r * chunk + t0, v, nb, d);
+    }
+  }
+}
+
+// Loads query heads [head0, head0 + group) of token `token` into rows [row0, row0 + group).
+void load_query(const AttentionArgs& a, int64_t token, int64_t head0, int64_t group, int64_t row0,
+                Scratch& s) {
+  const int64_t d = a.head_size;
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t elem = token * a.q_token_stride + (head0 + g) * a.q_head_stride;
+    float* q = s.q + (row0 + g) * d;
+    load_as_float(a.dtype, static_cast<const char*>(a.query) + elem * element_size(a.dtype), q, d);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) q[i] *= a.scale;
+  }
+}
+
+void store_normalised(const AttentionArgs& a, int64_t token, int64_t head, const float* acc,
+                      float l, float* tmp) {
+  const int64_t d = a.head_size;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) tmp[i] = acc[i] * inv;
+  const int64_t elem = token * a.out_token_stride + head * a.out_head_stride;
+  store_from_float(a.dtype, tmp, static_cast<char*>(a.out) + elem * element_size(a.dtype), d);
+}
+
+void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head,
+                 float* scratch) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_size;
+  const int64_t seq = p.part_seq[part];
+  const int64_t num_parts = p.part_offset[seq + 1] - p.part_offset[seq];
+  const int64_t seq_len = a.seq_lens[seq];
+  const int64_t begin = (part - p.part_offset[seq]) * p.partition_size;
+  const int64_t end = imin(seq_len, begin + p.partition_size);
+  Scratch s = carve(a, group, scratch);
+  load_query(a, seq, kv_head * group, group, 0, s);
+  const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
+  attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = kv_head * group + g;
+    if (num_parts == 1) {
+      store_normalised(a, seq, head, s.acc + g * d, s.l[g], s.kbuf);
+      continue;
+    }
+    std::memcpy(p.tmp_out + (part * a.num_heads + head) * d, s.acc + g * d, sizeof(float) * d);
+    p.tmp_max[part * a.num_heads + head] = s.m[g];
+    p.tmp_sum[part * a.num_heads + head] = s.l[g];
+  }
+}
+
+// Merges a sequence's partitions with a log-sum-exp reduction.
+void decode_reduce(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int64_t head) {
+  const int64_t first = p.part_offset[seq], num_parts = p.part_offset[seq + 1] - first;
+  if (num_parts <= 1) return;
+  const int64_t d = a.head_size, h = a.num_heads;
+  float global_max = -INFINITY;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const float m = p.tmp_max[(first + i) * h + head];
+    global_max = m > global_max ? m : global_max;
+  }
+  float acc[256] = {0.f}, out[256];
+  float total = 0.f;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const int64_t row = (first + i) * h + head;
+    const float w = exp_nonpositive(p.tmp_max[row] - global_max);
+    total += w * p.tmp_sum[row];
+    const float* part_out = p.tmp_out + row * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) acc[j] += w * part_out[j];
+  }
+  store_normalised(a, seq, head, acc, total, out);
+}
+
+void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
+                  float* scratch) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_size;
+  const int64_t seq = p.tile_seq[tile];
+  const int64_t q_start = a.query_start_loc[seq], q_len = a.query_start_loc[seq + 1] - q_start;
+  const int64_t context = int64_t(a.seq_lens[seq]) - q_len;
+  const int64_t tok0 = q_start + (tile - p.tile_offset[seq]) * p.tile_tokens;
+  const int64_t ntok = imin(p.tile_tokens, q_start + q_len - tok0);
+  Scratch s = carve(a, ntok * group, scratch);
+  for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
+  const RowSet rows{ntok * group, group, context + (tok0 - q_start)};
+  const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
+  attend(kv, rows, 0, rows.limit(rows.rows - 1) + 1, s);
+  for (int64_t r = 0; r < rows.rows; ++r)
+    store_normalised(a, tok0 + r / group, kv_head * group + r % group, s.acc + r * d, s.l[r], s.kbuf);
+}
+
+}  // namespace
+
+const KernelTable& kernels() {
+  static const KernelTable table{KVPAGE_ISA_NAME, scratch_floats, decode_item, decode_reduce,
+                                 prefill_item};
+  return table;
+}
+
+}  // namespace KVPAGE_ISA_NS
+}  // namespace cpu
+}  // namespace kvpage

@@ -1,0 +1,67 @@
+// The interface between the CPU op glue (torch-aware, ISA-neutral) and the math kernels, which
+// are compiled once per instruction set (isa_avx2.cpp, isa_generic.cpp) and picked at run time.
+// Kernel TUs see only this header: raw pointers, no torch or c10 headers, so no inline function
+// compiled with AVX2 can leak into the portable build through the linker.
+#pragma once
+
+#include <cstdint>
+
+namespace kvpage {
+namespace cpu {
+
+enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+
+struct AttentionArgs {
+  DType dtype;
+  void* out;
+  int64_t out_token_stride, out_head_stride;
+  const void* query;
+  int64_t q_token_stride, q_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t num_heads, num_kv_heads, block_size, head_size;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1], prefill only
+  int64_t num_seqs;
+  float scale;
+};
+
+// Decode work is (partition, kv head); a sequence of seq_len tokens owns ceil(seq_len / P)
+// consecutive partitions starting at part_offset[seq]. Multi-partition sequences leave
+// unnormalised partial outputs in tmp_* for decode_reduce.
+struct DecodePlan {
+  int64_t partition_size;     // tokens per partition (a multiple of block_size)
+  const int64_t* part_offset;  // [num_seqs + 1]
+  const int32_t* part_seq;     // [num_parts]: owning sequence
+  float* tmp_out;              // [num_parts, num_heads, head_size]
+  float* tmp_max;              // [num_parts, num_heads]
+  float* tmp_sum;              // [num_parts, num_heads]
+};
+
+// Prefill work is (query tile, kv head); sequence s owns tiles [tile_offset[s], tile_offset[s+1]).
+struct PrefillPlan {
+  int64_t tile_tokens;         // query tokens per tile
+  const int64_t* tile_offset;  // [num_seqs + 1]
+  const int32_t* tile_seq;     // [num_tiles]
+};
+
+struct KernelTable {
+  const char* isa;
+  // Floats of per-thread scratch the attention kernels need.
+  int64_t (*scratch_floats)(const AttentionArgs& a, int64_t rows);
+  void (*decode_item)(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head,
+                      float* scratch);
+  void (*decode_reduce)(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int64_t head);
+  void (*prefill_item)(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
+                       float* scratch);
+};
+
+const KernelTable& generic_kernels();
+#if defined(KVPAGE_HAVE_AVX2)
+const KernelTable& avx2_kernels();
+#endif
+
+}  // namespace cpu
+}  // namespace kvpage

@@ -1,0 +1,48 @@
+// kvpage op declarations: the one header every backend implements.
+//
+// KV-cache layout (the library's choice, used by every kernel):
+//   key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size], contiguous.
+//   Token at slot s lives in block s / block_size at offset s % block_size.
+// One (block, kv head) is a contiguous [block_size, head_size] tile, so attention streams
+// whole tiles and a GQA group reads each KV head's tile once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ATen_fwd.h>
+
+// Each backend (kvpage::cpu, kvpage::cuda) implements this same set; torch_bindings.cpp registers
+// them under the CPU and CUDA dispatch keys of torch.ops.kvpage.
+#define KVPAGE_DECLARE_OPS                                                                          \
+  /* key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping            \
+     (int64 [num_tokens]; -1 skips the token). */                                                \
+  void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,   \
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping,                 \
+                         bool check_ranges);                                                      \
+  /* Decode, one query token per sequence; partition_size 0 picks single-pass vs partitioned. */  \
+  void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,     \
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,            \
+                       const at::Tensor& seq_lens, double scale, int64_t partition_size,         \
+                       bool check_ranges);                                                        \
+  /* Varlen causal prefill over the paged cache (chunked prefill, prefix hits). */               \
+  void paged_prefill_attention(at::Tensor& out, const at::Tensor& query,                         \
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,       \
+                               const at::Tensor& block_tables, const at::Tensor& query_start_loc, \
+                               const at::Tensor& seq_lens, double scale, bool check_ranges);     \
+  /* block_mapping int64 [n, 2] of (src, dst); every layer in one call. */                       \
+  void copy_blocks(at::TensorList key_caches,                                                    \
+                   at::TensorList value_caches, const at::Tensor& block_mapping,                 \
+                   bool check_ranges);                                                            \
+  /* src[i] -> dst[i] for every tensor pair (all layers, K and V) in one batched operation. */   \
+  void swap_blocks(at::TensorList src, at::TensorList dst,                                         \
+                   const at::Tensor& block_mapping, bool check_ranges);
+
+namespace kvpage {
+namespace cpu {
+KVPAGE_DECLARE_OPS
+}  // namespace cpu
+#ifdef KVPAGE_WITH_CUDA
+namespace cuda {
+KVPAGE_DECLARE_OPS
+}  // namespace cuda
+#endif
+}  // namespace kvpage

@@ -1,0 +1,52 @@
+// torch.ops.kvpage.*: schemas once, CPU (and CUDA) kernels registered by dispatch key, plus a
+// small pybind11 module for things that are not ops.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/library.h>
+
+#include "cpu/dispatch.h"
+#include "ops.h"
+
+TORCH_LIBRARY(kvpage, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, bool check_ranges=True) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale, int partition_size=0, "
+      "bool check_ranges=True) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "bool check_ranges=True) -> ()");
+  m.def(
+      "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
+      "bool check_ranges=True) -> ()");
+  m.def("swap_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor block_mapping, bool check_ranges=True) -> ()");
+}
+
+#define KVPAGE_REGISTER_BACKEND(ns)                                  \
+  m.impl("reshape_and_cache", &kvpage::ns::reshape_and_cache);       \
+  m.impl("paged_attention", &kvpage::ns::paged_attention);           \
+  m.impl("paged_prefill_attention", &kvpage::ns::paged_prefill_attention); \
+  m.impl("copy_blocks", &kvpage::ns::copy_blocks);                   \
+  m.impl("swap_blocks", &kvpage::ns::swap_blocks);
+
+TORCH_LIBRARY_IMPL(kvpage, CPU, m) { KVPAGE_REGISTER_BACKEND(cpu) }
+
+#ifdef KVPAGE_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvpage, CUDA, m) { KVPAGE_REGISTER_BACKEND(cuda) }
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kvpage kernels; the ops live in torch.ops.kvpage";
+  m.def("cpu_isa", [] { return std::string(kvpage::cpu::active_kernels().isa); },
+        "Instruction set the CPU kernels run with");
+  m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx2' or 'generic')");
+  m.def("available_cpu_isas", &kvpage::cpu::available_isas);
+#ifdef KVPAGE_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

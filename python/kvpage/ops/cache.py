@@ -1,0 +1,54 @@
+"""Cache allocation and the cache data-movement ops."""
+import torch
+
+from kvpage.ops import _checks
+from kvpage.ops._library import ops
+from kvpage.ops.config import range_checks_enabled
+
+
+def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32, device="cpu"):
+    """Allocates one layer's (key_cache, value_cache), zero-filled.
+
+    Layout, used by every kernel: [num_blocks, num_kv_heads, block_size, head_size], contiguous.
+    The token in slot s = block_id * block_size + offset lives at [block_id, :, offset, :], so a
+    (block, kv head) pair is one contiguous [block_size, head_size] tile that attention streams.
+    block_size: a power of two up to 256; head_size: a multiple of 16 up to 256;
+    dtype: float32, float16 or bfloat16 (attention computes in float32)."""
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+        _checks.require_positive_int(value, name)
+    if block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
+    if head_size % 16 or head_size > 256:
+        raise ValueError(f"head_size must be a multiple of 16 up to 256, got {head_size}")
+    if dtype not in _checks.SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {_checks.SUPPORTED_DTYPES}, got {dtype}")
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    device = torch.device(device)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Writes key/value [num_tokens, num_kv_heads, head_size] (strided views welcome) into the
+    caches; slot_mapping int64 [num_tokens], -1 skips a token."""
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _checks.require_tensor(t, name)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, range_checks_enabled())
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    """Copies block src -> dst for every (src, dst) row of block_mapping in every layer, in one call."""
+    key_caches = _checks.tensor_list(key_caches, "key_caches")
+    value_caches = _checks.tensor_list(value_caches, "value_caches")
+    mapping = _checks.as_block_mapping(block_mapping)
+    ops.copy_blocks(key_caches, value_caches, mapping, range_checks_enabled())
+
+
+def swap_blocks(src, dst, block_mapping):
+    """Copies block src_id of src into block dst_id of dst, for each (src_id, dst_id) row; src and
+    dst may be single tensors or matching lists (all layers, K and V) moved in one batched call."""
+    src = _checks.tensor_list(src, "src")
+    dst = _checks.tensor_list(dst, "dst")
+    mapping = _checks.as_block_mapping(block_mapping)
+    ops.swap_blocks(src, dst, mapping, range_checks_enabled())

@@ -1,0 +1,76 @@
+"""Plain-torch versions of every kvpage op: the ground truth tests and benchmarks compare against.
+
+Written for clarity, not speed: gather each sequence's K/V from its block table into a contiguous
+tensor, then run textbook attention in float32."""
+import torch
+
+
+def gather_kv(cache, block_table, seq_len):
+    """[seq_len, num_kv_heads, head_size] of one sequence from a [num_blocks, H, bs, D] cache."""
+    block_size = cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    tiles = cache[block_table[:num_blocks].long()]  # [nb, H, bs, D]
+    return tiles.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+
+def attention(query, key, value, scale, query_positions):
+    """query [q, Hq, D]; key/value [k, Hkv, D]; query i sees keys at positions <= query_positions[i]."""
+    group = query.shape[1] // key.shape[1]
+    q = query.float().transpose(0, 1)  # [Hq, q, D]
+    k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q, k]
+    key_positions = torch.arange(key.shape[0], device=query.device)
+    visible = key_positions[None, :] <= query_positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None):
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.empty_like(query)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        key = gather_kv(key_cache, block_tables[s], seq_len)
+        value = gather_kv(value_cache, block_tables[s], seq_len)
+        positions = torch.tensor([seq_len - 1], device=query.device)
+        out[s] = attention(query[s : s + 1], key, value, scale, positions)[0]
+    return out
+
+
+def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                            scale=None):
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[s] : starts[s + 1]]
+        if q.shape[0] == 0:
+            continue
+        key = gather_kv(key_cache, block_tables[s], seq_len)
+        value = gather_kv(value_cache, block_tables[s], seq_len)
+        positions = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
+        out[starts[s] : starts[s + 1]] = attention(q, key, value, scale, positions)
+    return out
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[2]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        key_cache[slot // block_size, :, slot % block_size] = key[t]
+        value_cache[slot // block_size, :, slot % block_size] = value[t]
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    for src, dst in block_mapping.tolist():
+        for cache in list(key_caches) + list(value_caches):
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src, dst, block_mapping):
+    src = [src] if isinstance(src, torch.Tensor) else src
+    dst = [dst] if isinstance(dst, torch.Tensor) else dst
+    for s, d in block_mapping.tolist():
+        for src_tensor, dst_tensor in zip(src, dst):
+            dst_tensor[d] = src_tensor[s].to(dst_tensor.device)
