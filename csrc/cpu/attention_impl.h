@@ -22,6 +22,7 @@ namespace KVPAGE_ISA_NS {
 namespace {
 
 #include "vec.h"
+#include "microkernels.h"
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -59,42 +60,6 @@ Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
   return s;
 }
 
-// Four dot products sharing q: four independent accumulators keep the FMA pipes busy.
-inline void dot_rows(const float* q, const float* k, int64_t n, int64_t d, float* out) {
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    const float* k0 = k + t * d;
-    const float *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t i = 0; i < d; ++i) {
-      s0 += q[i] * k0[i];
-      s1 += q[i] * k1[i];
-      s2 += q[i] * k2[i];
-      s3 += q[i] * k3[i];
-    }
-    out[t] = s0, out[t + 1] = s1, out[t + 2] = s2, out[t + 3] = s3;
-  }
-  for (; t < n; ++t) {
-    const float* kt = k + t * d;
-    float s0 = 0.f;
-#pragma omp simd reduction(+ : s0)
-    for (int64_t i = 0; i < d; ++i) s0 += q[i] * kt[i];
-    out[t] = s0;
-  }
-}
-
-// acc += sum_t p[t] * v[t]: one output row, values streamed from L1.
-inline void accumulate_values(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float w = p[t];
-    if (w == 0.f) continue;  // causally masked
-    const float* vt = v + t * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] += w * vt[i];
-  }
-}
-
 struct KVSource {
   const AttentionArgs& a;
   const int32_t* table;  // this sequence's block_tables row
@@ -120,8 +85,7 @@ struct RowSet {
 void softmax_step(const RowSet& rs, int64_t chunk, int64_t n, int64_t d, Scratch& s) {
   for (int64_t r = 0; r < rs.rows; ++r) {
     float* sc = s.score + r * chunk;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = sc[t] > mx ? sc[t] : mx;
+    const float mx = row_max(sc, n);
     const float m_new = mx > s.m[r] ? mx : s.m[r];
     if (m_new == -INFINITY) {  // nothing visible yet for this row
       for (int64_t t = 0; t < n; ++t) sc[t] = 0.f;
@@ -133,14 +97,7 @@ void softmax_step(const RowSet& rs, int64_t chunk, int64_t n, int64_t d, Scratch
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ac[i] *= alpha;
     }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      const float p = exp_nonpositive(sc[t] - m_new);
-      sc[t] = p;
-      sum += p;
-    }
-    s.l[r] = s.l[r] * alpha + sum;
+    s.l[r] = s.l[r] * alpha + exp_and_sum(sc, n, m_new);
     s.m[r] = m_new;
   }
 }
@@ -156,19 +113,17 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
       const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
-      for (int64_t r = 0; r < rs.rows; ++r) {
+      block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
+      for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
         float* sc = s.score + r * chunk + t0;
-        const int64_t visible = imax(0, imin(nb, rs.limit(r) - pos0 + 1));
-        dot_rows(s.q + r * d, k, visible, d, sc);
-        for (int64_t t = visible; t < nb; ++t) sc[t] = -INFINITY;
+        for (int64_t t = imax(0, rs.limit(r) - pos0 + 1); t < nb; ++t) sc[t] = -INFINITY;
       }
     }
     softmax_step(rs, chunk, n, d, s);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0);
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
-      for (int64_t r = 0; r < rs.rows; ++r)
-        accumulate_values(s.acc + r * d, s.score + r * chunk + t0, v, nb, d);
+      block_values(s.acc, rs.rows, d, s.score + t0, chunk, v, nb);
     }
   }
 }

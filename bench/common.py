@@ -1,0 +1,56 @@
+"""Shared benchmark plumbing: timing, memory bandwidth, JSON + PNG output."""
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("OUT", Path(__file__).resolve().parent / "results"))
+
+
+def median_time(fn, iters=10, warmup=2, min_seconds=0.0):
+    """Median wall time of fn() in seconds, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def read_bandwidth_gbs(num_bytes=1 << 30, iters=5):
+    """This machine's memory read bandwidth, as torch's multithreaded sum over a buffer far larger
+    than the caches achieves it."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return num_bytes / median_time(lambda: x.sum(), iters=iters) / 1e9
+
+
+def machine_info():
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def write_json(name, payload):
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(rows, columns):
+    """Rows are dicts; a column a row lacks prints as '-'."""
+    cells = [[f"{r.get(c, '-')}" for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))

@@ -1,0 +1,194 @@
+"""Paged attention kernels vs torch SDPA on the same data laid out contiguously (the dense baseline).
+
+Decode: batch 1/8/32/64 x context 256/1024/4096 for SmolLM2's shape (9 query / 3 KV heads x 64)
+and Llama-3-8B's (32 / 8 x 128); prefill: whole prompts, causal. Same process, same threads.
+Also reports the KV bytes/s paged decode achieves against this machine's read bandwidth measured in
+the same run. Targets (issue 2): paged decode <= 1.0x dense for context >= 1024; >= 70% of read
+bandwidth once the cache is larger than the L3 cache.
+
+    python bench/kernels.py [--quick] [--dtype float32] [--threads N]
+    python bench/kernels.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
+"""
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from kvpage import ops  # noqa: E402
+
+SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
+DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_CONTEXTS = (256, 1024, 4096)
+PREFILL_CASES = ((1, 1024), (4, 512), (1, 4096))  # (sequences, tokens each)
+BLOCK_SIZE = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def l3_bytes():
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text.rstrip("K")) * 1024 if text.endswith("K") else int(text)
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+def paged_copy(dense_k, dense_v, generator):
+    """Lays dense [B, Hkv, L, D] K/V out in a paged cache with a shuffled block table."""
+    batch, num_kv_heads, seq_len, head_size = dense_k.shape
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    key_cache, value_cache = ops.allocate_kv_cache(num_blocks, BLOCK_SIZE, num_kv_heads, head_size,
+                                                   dtype=dense_k.dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator).to(torch.int32).view(batch, blocks_per_seq)
+    pad = blocks_per_seq * BLOCK_SIZE - seq_len
+    for cache, dense in ((key_cache, dense_k), (value_cache, dense_v)):
+        tiles = F.pad(dense, (0, 0, 0, pad)).view(batch, num_kv_heads, blocks_per_seq, BLOCK_SIZE, head_size)
+        cache[block_tables.long()] = tiles.permute(0, 2, 1, 3, 4)
+    return key_cache, value_cache, block_tables
+
+
+def decode_case(shape_name, batch, context, dtype, generator):
+    num_heads, num_kv_heads, head_size = SHAPES[shape_name]
+    dense_k = torch.randn(batch, num_kv_heads, context, head_size, generator=generator).to(dtype)
+    dense_v = torch.randn(batch, num_kv_heads, context, head_size, generator=generator).to(dtype)
+    query = torch.randn(batch, num_heads, head_size, generator=generator).to(dtype)
+    key_cache, value_cache, block_tables = paged_copy(dense_k, dense_v, generator)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def paged():
+        ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)
+
+    def dense():
+        return F.scaled_dot_product_attention(query.unsqueeze(2), dense_k, dense_v, enable_gqa=True)
+
+    paged()
+    error = (out.float() - dense().squeeze(2).float()).abs().max().item()
+    iters = 5 if batch * context >= 64 * 1024 else 15
+    t_paged, t_dense = common.median_time(paged, iters), common.median_time(dense, iters)
+    kv_bytes = 2 * dense_k.numel() * dense_k.element_size()
+    return {"kind": "decode", "shape": shape_name, "batch": batch, "context": context,
+            "paged_ms": t_paged * 1e3, "dense_ms": t_dense * 1e3, "ratio": t_paged / t_dense,
+            "kv_bytes": kv_bytes, "paged_gbs": kv_bytes / t_paged / 1e9, "max_abs_diff": error}
+
+
+def prefill_case(shape_name, num_seqs, seq_len, dtype, generator):
+    num_heads, num_kv_heads, head_size = SHAPES[shape_name]
+    dense_k = torch.randn(num_seqs, num_kv_heads, seq_len, head_size, generator=generator).to(dtype)
+    dense_v = torch.randn(num_seqs, num_kv_heads, seq_len, head_size, generator=generator).to(dtype)
+    dense_q = torch.randn(num_seqs, num_heads, seq_len, head_size, generator=generator).to(dtype)
+    key_cache, value_cache, block_tables = paged_copy(dense_k, dense_v, generator)
+    query = dense_q.transpose(1, 2).reshape(num_seqs * seq_len, num_heads, head_size)
+    query_start_loc = torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def paged():
+        ops.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                    out=out)
+
+    def dense():
+        return F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, enable_gqa=True)
+
+    paged()
+    expected = dense().transpose(1, 2).reshape_as(out)
+    error = (out.float() - expected.float()).abs().max().item()
+    t_paged, t_dense = common.median_time(paged, 5), common.median_time(dense, 5)
+    return {"kind": "prefill", "shape": shape_name, "batch": num_seqs, "context": seq_len,
+            "paged_ms": t_paged * 1e3, "dense_ms": t_dense * 1e3, "ratio": t_paged / t_dense,
+            "max_abs_diff": error}
+
+
+def judge(rows, bandwidth, l3):
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        r["bw_fraction"] = r["paged_gbs"] / bandwidth
+        r["beyond_l3"] = r["kv_bytes"] > l3
+        checks = []
+        if r["context"] >= 1024:
+            checks.append(r["ratio"] <= 1.0)
+        if r["beyond_l3"]:
+            checks.append(r["bw_fraction"] >= 0.70)
+        r["meets_target"] = all(checks) if checks else None
+
+
+def plot(rows, bandwidth, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in rows if r["kind"] == "decode"]
+    labels = [f"{r['shape'][:5]} b{r['batch']} c{r['context']}" for r in decode]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(decode) * 0.45), 8), sharex=True)
+    ax1.bar(range(len(decode)), [r["ratio"] for r in decode], color="tab:blue")
+    ax1.axhline(1.0, color="red", linestyle="--", label="target 1.0x dense")
+    ax1.set_ylabel("paged / dense SDPA time")
+    ax1.legend()
+    ax2.bar(range(len(decode)), [r["paged_gbs"] for r in decode], color="tab:green")
+    ax2.axhline(bandwidth, color="black", label=f"read bandwidth {bandwidth:.1f} GB/s")
+    ax2.axhline(0.7 * bandwidth, color="red", linestyle="--", label="70% target")
+    ax2.set_ylabel("paged decode KV GB/s")
+    ax2.set_xticks(range(len(decode)), labels, rotation=70, fontsize=7)
+    ax2.legend()
+    fig.suptitle("kvpage CPU paged decode vs dense SDPA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_cpu(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    generator = torch.Generator().manual_seed(0)
+    batches = (1, 32) if args.quick else DECODE_BATCHES
+    contexts = (1024,) if args.quick else DECODE_CONTEXTS
+    rows = []
+    with ops.range_checks(args.range_checks):
+        for shape_name in SHAPES:
+            for batch in batches:
+                for context in contexts:
+                    rows.append(decode_case(shape_name, batch, context, dtype, generator))
+            for num_seqs, seq_len in PREFILL_CASES[: 1 if args.quick else None]:
+                rows.append(prefill_case(shape_name, num_seqs, seq_len, dtype, generator))
+    bandwidth, l3 = common.read_bandwidth_gbs(), l3_bytes()
+    judge(rows, bandwidth, l3)
+    for r in rows:
+        for key in ("paged_ms", "dense_ms", "ratio", "paged_gbs", "bw_fraction"):
+            if key in r:
+                r[key] = round(r[key], 3)
+    common.print_table(rows, ["kind", "shape", "batch", "context", "paged_ms", "dense_ms", "ratio",
+                              "paged_gbs", "max_abs_diff"])
+    print(f"read bandwidth {bandwidth:.2f} GB/s, L3 {l3 >> 20} MiB, isa {ops.cpu_isa()}, "
+          f"threads {torch.get_num_threads()}, dtype {args.dtype}")
+    decode = [r for r in rows if r["kind"] == "decode" and r["meets_target"] is not None]
+    print(f"decode rows meeting target: {sum(r['meets_target'] for r in decode)}/{len(decode)}")
+    payload = {"machine": common.machine_info(), "isa": ops.cpu_isa(), "dtype": args.dtype,
+               "read_bandwidth_gbs": bandwidth, "l3_bytes": l3, "rows": rows}
+    path = common.write_json("kernels", payload)
+    plot(rows, bandwidth, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a small subset, for smoke runs")
+    parser.add_argument("--range-checks", action="store_true", help="keep block-table range checks on")
+    args, rest = parser.parse_known_args()
+    if args.device == "cuda":
+        cuda_bench = Path(__file__).resolve().parent / "kernels_cuda.py"
+        sys.exit(subprocess.call([sys.executable, str(cuda_bench), *rest]))
+    run_cpu(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+// The two inner loops of paged attention, on fp32 tiles in L1:
+//   scores:  S[r][t]  = q[r] . k[t]          (rows x tokens; k rows are contiguous in head_size)
+//   values:  acc[r]  += sum_t p[r][t] v[t]   (rows x head_size)
+// AVX2 builds get register-blocked kernels (2 rows x 4 tokens, 2 rows x 32 lanes), so each K or V
+// vector loaded from L1 feeds several FMAs; other builds get plain loops the compiler vectorises.
+// Included inside the ISA namespace, after vec.h.
+#pragma once
+
+#if defined(KVPAGE_VEC_AVX2)
+
+inline float hsum(__m256 v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
+}
+
+// Four horizontal sums at once: returns [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// rows r0, r1 x tokens t..t+3
+inline void scores_2x4(const float* q0, const float* q1, const float* k, int64_t d, float* s0, float* s1) {
+  __m256 a[2][4];
+  for (auto& row : a)
+    for (auto& x : row) x = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 x0 = _mm256_loadu_ps(q0 + i), x1 = _mm256_loadu_ps(q1 + i);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k + j * d + i);
+      a[0][j] = _mm256_fmadd_ps(x0, kv, a[0][j]);
+      a[1][j] = _mm256_fmadd_ps(x1, kv, a[1][j]);
+    }
+  }
+  _mm_storeu_ps(s0, hsum4(a[0][0], a[0][1], a[0][2], a[0][3]));
+  _mm_storeu_ps(s1, hsum4(a[1][0], a[1][1], a[1][2], a[1][3]));
+}
+
+inline void scores_1x4(const float* q, const float* k, int64_t d, float* s) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 x = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d + i), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * d + i), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * d + i), a3);
+  }
+  _mm_storeu_ps(s, hsum4(a0, a1, a2, a3));
+}
+
+inline float score_1x1(const float* q, const float* k, int64_t d) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+  return hsum(a);
+}
+
+// Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k.
+inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
+                         int64_t s_stride) {
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+      scores_2x4(q + r * d, q + (r + 1) * d, k + t * d, d, s + r * s_stride + t, s + (r + 1) * s_stride + t);
+    for (; t < n; ++t) {
+      s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
+      s[(r + 1) * s_stride + t] = score_1x1(q + (r + 1) * d, k + t * d, d);
+    }
+  }
+  for (; r < rows; ++r) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) scores_1x4(q + r * d, k + t * d, d, s + r * s_stride + t);
+    for (; t < n; ++t) s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
+  }
+}
+
+// acc[r][i..i+W) += sum_t p[r][t] v[t][i..i+W) for R rows, W = 8 * L lanes held in registers.
+template <int R, int L>
+inline void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n,
+                        int64_t i) {
+  __m256 a[R][L];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < L; ++j) a[r][j] = _mm256_loadu_ps(acc + r * d + i + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = _mm256_set1_ps(p[r * p_stride + t]);
+    for (int j = 0; j < L; ++j) {
+      const __m256 x = _mm256_loadu_ps(v + t * d + i + 8 * j);
+      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < L; ++j) _mm256_storeu_ps(acc + r * d + i + 8 * j, a[r][j]);
+}
+
+template <int R>
+inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) values_tile<R, 4>(acc, d, p, p_stride, v, n, i);
+  for (; i < d; i += 16) values_tile<R, 2>(acc, d, p, p_stride, v, n, i);  // head_size % 16 == 0
+}
+
+inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
+                         int64_t n) {
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  if (r < rows) values_rows<1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+}
+
+// vec.h's exp_nonpositive, eight lanes at a time.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f),
+                                                   _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+  return _mm256_and_ps(result, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
+inline float row_max(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  float mx = _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+  for (; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+  return mx;
+}
+
+// s[t] = exp(s[t] - m); returns the sum.
+inline float exp_and_sum(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) sum += (s[t] = exp_nonpositive(s[t] - m));
+  return sum;
+}
+
+#else  // portable loops
+
+inline float row_max(const float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+  return mx;
+}
+
+inline float exp_and_sum(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += (s[t] = exp_nonpositive(s[t] - m));
+  return sum;
+}
+
+inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
+                         int64_t s_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < n; ++t) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += q[r * d + i] * k[t * d + i];
+      s[r * s_stride + t] = sum;
+    }
+  }
+}
+
+inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
+                         int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = p[r * p_stride + t];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[r * d + i] += w * v[t * d + i];
+    }
+  }
+}
+
+#endif

@@ -1,0 +1,44 @@
+// Helpers for the ATen side of the CUDA ops (ops_*.cpp): tensors -> kernel parameters, streams,
+// error propagation. Not included by any .cu file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernel_params.h"
+
+namespace kvpage {
+namespace cuda {
+
+inline DType to_dtype(at::ScalarType t) {
+  if (t == at::kHalf) return DType::kHalf;
+  if (t == at::kBFloat16) return DType::kBFloat16;
+  return DType::kFloat;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Kernels index rows, heads and blocks with 32-bit ints.
+inline int as_int(int64_t v, const char* what) {
+  TORCH_CHECK_VALUE(v >= 0 && v <= std::numeric_limits<int32_t>::max(), what, " = ", v,
+                    " does not fit the CUDA kernels' 32-bit indices");
+  return static_cast<int>(v);
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Streaming multiprocessors of the current device (cached: the attribute query is a driver call).
+int num_sms();
+
+// Uploads host int64 words to the device through a pinned staging buffer, asynchronously on
+// the current stream (the caching host allocator keeps the buffer alive until the copy is done).
+at::Tensor upload_words(const std::vector<int64_t>& words, const at::Device& device);
+
+}  // namespace cuda
+}  // namespace kvpage

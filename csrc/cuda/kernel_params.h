@@ -1,0 +1,95 @@
+// The interface between the CUDA op glue (ops_*.cpp: ATen, guards, checks) and the kernels
+// (*.cu). Kernel files see only this header and CUDA's own: raw pointers, plain structs, so
+// they compile standalone with nvcc (CI compile-checks them without torch) and fast.
+//
+// KV-cache layout (see ops.h): [num_blocks, num_kv_heads, block_size, head_size], contiguous,
+// 16-byte aligned. Every kernel treats its index inputs as untrusted: a block id or slot outside
+// the cache, or a length beyond a block-table row, is masked or skipped, never dereferenced,
+// so switching the host-side range checks off cannot cause an out-of-bounds access.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace kvpage {
+namespace cuda {
+
+enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+
+// Query rows attend over one sequence's paged K/V. Decode: row r is sequence r and sees all
+// seq_lens[r] tokens. Prefill (query_start_loc set): row r is a query token; it belongs to the
+// sequence s with query_start_loc[s] <= r < query_start_loc[s + 1] and sees the cache
+// positions <= seq_lens[s] - q_len[s] + (r - query_start_loc[s]).
+struct AttentionParams {
+  DType dtype;
+  void* out;  // [num_rows, num_heads, head_size], last dim contiguous
+  int64_t out_row_stride, out_head_stride;
+  const void* query;  // same shape as out
+  int64_t q_row_stride, q_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int num_heads, num_kv_heads, block_size, head_size;
+  int num_blocks;                 // guards block ids read from the table
+  const int32_t* block_tables;    // [num_seqs, max_blocks_per_seq]
+  int max_blocks_per_seq;
+  const int32_t* seq_lens;        // [num_seqs]
+  const int32_t* query_start_loc; // [num_seqs + 1]; nullptr for decode
+  int num_seqs;
+  int num_rows;                   // decode: num_seqs; prefill: total query tokens
+  float scale;
+};
+
+// Decode work split. partition_size == 0: one CTA per (row, kv head group) walks the whole
+// context and writes out directly. Otherwise CTAs also split the context into max_partitions
+// fixed partitions, write unnormalised partials to tmp_* and a reduce kernel merges them.
+struct DecodeWork {
+  int partition_size;
+  int max_partitions;
+  float* tmp_out;  // [num_rows, num_heads, max_partitions, head_size]
+  float* tmp_max;  // [num_rows, num_heads, max_partitions], log2 domain
+  float* tmp_sum;  // [num_rows, num_heads, max_partitions]
+};
+
+// Decode, and fp32 prefill (prefill rows through the same SIMT kernel, single pass).
+cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);
+
+// Tensor-core prefill for fp16/bf16. workspace: num_seqs + 1 ints of device scratch. query
+// must be 16-byte aligned with row/head strides that are multiples of 8 elements.
+cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream);
+// Whether launch_paged_prefill serves this dtype (fp32 takes launch_paged_decode).
+bool prefill_uses_tensor_cores(DType dtype);
+
+struct CacheWriteParams {
+  int element_size;  // bytes: 2 or 4
+  const void* key;   // [num_tokens, num_kv_heads, head_size], strides in elements
+  const void* value;
+  int64_t key_token_stride, key_head_stride, value_token_stride, value_head_stride;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens], -1 skips
+  int64_t num_tokens, num_slots;
+  int num_kv_heads, block_size, head_size;
+  bool vectorized;  // key/value bases and strides allow 16-byte loads
+};
+cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream);
+
+// One tensor whose blocks move: copy_blocks passes each layer's K and V cache with src == dst;
+// swap_blocks passes (GPU, mapped pinned host) pairs. Fields are int64 so the host can fill the
+// whole table, plus the (src, dst) pairs, into one pinned buffer and upload it in one copy.
+struct BlockCopyTensor {
+  int64_t src;          // device-accessible address of block 0
+  int64_t dst;
+  int64_t block_bytes;
+  int64_t src_blocks;   // bounds: pairs outside them are skipped
+  int64_t dst_blocks;
+};
+static_assert(sizeof(BlockCopyTensor) == 5 * sizeof(int64_t), "packed as int64 words");
+
+// Copies block pairs[i].src -> pairs[i].dst of every tensor: one launch for all tensors and pairs.
+// tensors and pairs are device (or mapped) memory.
+cudaError_t launch_block_copy(const BlockCopyTensor* tensors, int num_tensors, const int64_t* pairs,
+                              int64_t num_pairs, int64_t max_block_bytes, bool all_aligned16,
+                              cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace kvpage

@@ -1,0 +1,147 @@
+// CUDA paged attention ops: validate (checks.h, shared with the CPU backend), choose the work
+// split from shapes alone, launch on the current stream.
+//
+// Synchronisation policy: the kernels never trust index data (see kernel_params.h), so the only
+// checks that must read index tensors are the optional range checks. With check_ranges=True
+// (the default) they run exactly as on the CPU (seq_lens bounds, block ids, query_start_loc),
+// which copies those tensors to the host: one device sync per call. With check_ranges=False
+// (kvpage.ops.set_range_checks(False), for benchmarks and a trusted engine) nothing syncs:
+// planning uses shapes only and bad indices are masked inside the kernels.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "../checks.h"
+#include "../ops.h"
+#include "glue.h"
+
+namespace kvpage {
+namespace cuda {
+namespace {
+
+constexpr int64_t kPartitionTokens = 512;
+// Single pass once there are this many CTAs per SM anyway: partitions would add a reduce
+// launch without improving balance.
+constexpr int64_t kSinglePassCtasPerSm = 8;
+
+CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
+  const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_query(query, out, cache, key_cache);
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
+  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ", block_tables.size(0),
+                    " rows but seq_lens has ", seq_lens.size(0), " entries");
+  TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
+                    "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
+  as_int(cache.num_blocks, "key_cache.size(0)");
+  as_int(block_tables.size(1) * cache.block_size, "block_tables.size(1) * block_size");
+  as_int(query.size(0), "query.size(0)");
+  if (check_ranges) {  // host copies of the index tensors: documented sync
+    check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
+    check_block_tables_range(block_tables, seq_lens, cache);
+  }
+  return cache;
+}
+
+AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const CacheShape& cache, double scale) {
+  AttentionParams p{};
+  p.dtype = to_dtype(query.scalar_type());
+  p.out = out.data_ptr();
+  p.out_row_stride = out.stride(0), p.out_head_stride = out.stride(1);
+  p.query = query.data_ptr();
+  p.q_row_stride = query.stride(0), p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data_ptr(), p.value_cache = value_cache.data_ptr();
+  p.num_heads = static_cast<int>(query.size(1)), p.num_kv_heads = static_cast<int>(cache.num_kv_heads);
+  p.block_size = static_cast<int>(cache.block_size), p.head_size = static_cast<int>(cache.head_size);
+  p.num_blocks = static_cast<int>(cache.num_blocks);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.num_seqs = static_cast<int>(seq_lens.size(0));
+  p.num_rows = static_cast<int>(query.size(0));
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale, int64_t partition_size,
+                     bool check_ranges) {
+  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           1, check_ranges);
+  TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
+                    " tokens but seq_lens has ", seq_lens.size(0),
+                    " sequences (decode takes one query token per sequence)");
+  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size % cache.block_size == 0,
+                    "partition_size must be a non-negative multiple of block_size ", cache.block_size,
+                    ", got ", partition_size);
+  if (query.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+
+  // The longest sequence is unknown without a sync; the table width bounds it. Partitions past
+  // a sequence's end exit at once, and the reduce only reads the ones that exist.
+  const int64_t capacity = block_tables.size(1) * cache.block_size;
+  const int64_t part = partition_size > 0 ? partition_size : kPartitionTokens;  // a multiple of block_size
+  const int64_t max_parts = (capacity + part - 1) / part;
+  bool split = max_parts > 1;
+  if (split && partition_size == 0) {
+    split = query.size(0) * cache.num_kv_heads < kSinglePassCtasPerSm * num_sms();
+  }
+  DecodeWork w{};
+  at::Tensor tmp;
+  if (split) {
+    w.partition_size = static_cast<int>(part);
+    w.max_partitions = as_int(max_parts, "partitions per sequence");
+    const int64_t slots = query.size(0) * query.size(1) * max_parts;
+    tmp = at::empty({slots * (cache.head_size + 2)}, query.options().dtype(at::kFloat));
+    w.tmp_out = tmp.data_ptr<float>();
+    w.tmp_max = w.tmp_out + slots * cache.head_size;
+    w.tmp_sum = w.tmp_max + slots;
+  }
+  C10_CUDA_CHECK(launch_paged_decode(p, w, current_stream()));
+}
+
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             double scale, bool check_ranges) {
+  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                           0, check_ranges);
+  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1,
+                    "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
+                    " entries, got ", query_start_loc.size(0));
+  if (check_ranges) check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  if (query.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (seq_lens.size(0) == 0) {  // only reachable unchecked: tokens that belong to no sequence
+    out.zero_();
+    return;
+  }
+  // The tensor-core kernel stages Q with 16-byte copies; a misaligned view gets an aligned copy.
+  at::Tensor q = query;
+  const int64_t vec = 16 / query.element_size();
+  if (!aligned16(query.data_ptr()) || query.stride(0) % vec || query.stride(1) % vec) {
+    q = query.clone(at::MemoryFormat::Contiguous);
+  }
+  AttentionParams p = make_params(out, q, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  if (prefill_uses_tensor_cores(p.dtype)) {
+    at::Tensor offsets = at::empty({seq_lens.size(0) + 1}, seq_lens.options());
+    C10_CUDA_CHECK(launch_paged_prefill(p, offsets.data_ptr<int32_t>(), current_stream()));
+  } else {
+    // fp32: every query token is a row of the SIMT decode kernel, single pass, causal limit
+    // from its position.
+    C10_CUDA_CHECK(launch_paged_decode(p, DecodeWork{}, current_stream()));
+  }
+}
+
+}  // namespace cuda
+}  // namespace kvpage

@@ -1,0 +1,195 @@
+// CUDA cache ops: reshape_and_cache (scatter by slot mapping), copy_blocks (all layers, one
+// launch) and swap_blocks (GPU <-> pinned host, one launch). block_mapping is a CPU tensor, so
+// its checks never sync; the (pointer table, pairs) go to the device in one async upload.
+// Swaps are ordered on the current stream like any kernel: a caller that reads swapped-out host
+// blocks on the CPU synchronises that stream first.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "../checks.h"
+#include "../ops.h"
+#include "glue.h"
+
+namespace kvpage {
+namespace cuda {
+namespace {
+
+void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
+                       const CacheShape& cache) {
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == cache.num_kv_heads && t.size(2) == cache.head_size,
+                    name, " must be [num_tokens, ", cache.num_kv_heads, ", ", cache.head_size,
+                    "] to match the cache, got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == key_cache.scalar_type(), name, " dtype ", t.scalar_type(),
+                   " differs from the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == key_cache.device(), name, " must be on the cache's device");
+  TORCH_CHECK_VALUE(t.stride(2) == 1, name, " must be contiguous in its last dimension");
+}
+
+int64_t block_bytes(const at::Tensor& t) {
+  return t.size(0) == 0 ? 0 : t.numel() / t.size(0) * t.element_size();
+}
+
+// A tensor's address as the device sees it: device memory as is, pinned host memory through its
+// mapping (with unified addressing the same value). 0 when the host memory is not mapped.
+int64_t device_address(const at::Tensor& t) {
+  if (t.is_cuda()) return reinterpret_cast<int64_t>(t.data_ptr());
+  void* mapped = nullptr;
+  if (cudaHostGetDevicePointer(&mapped, t.data_ptr(), 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so later checks don't see it
+    return 0;
+  }
+  return reinterpret_cast<int64_t>(mapped);
+}
+
+void push_tensor(std::vector<int64_t>& words, int64_t src, int64_t dst, int64_t bytes, int64_t src_blocks,
+                 int64_t dst_blocks) {
+  words.insert(words.end(), {src, dst, bytes, src_blocks, dst_blocks});
+}
+
+// Appends the pairs, uploads (table, pairs) in one copy and launches one block-copy kernel.
+void run_block_copy(std::vector<int64_t>& words, int num_tensors, const at::Tensor& block_mapping,
+                    int64_t max_bytes, bool aligned, const at::Device& device) {
+  const at::Tensor m = block_mapping.contiguous();
+  const int64_t n = m.size(0);
+  words.insert(words.end(), m.data_ptr<int64_t>(), m.data_ptr<int64_t>() + 2 * n);
+  const at::Tensor dev = upload_words(words, device);
+  const int64_t* base = dev.data_ptr<int64_t>();
+  C10_CUDA_CHECK(launch_block_copy(reinterpret_cast<const BlockCopyTensor*>(base), num_tensors,
+                                   base + 5 * int64_t(num_tensors), n, max_bytes, aligned, current_stream()));
+}
+
+}  // namespace
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges) {
+  const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_token_input(key, "key", key_cache, cache);
+  check_token_input(value, "value", key_cache, cache);
+  TORCH_CHECK_VALUE(value.size(0) == key.size(0), "value has ", value.size(0), " tokens, key has ",
+                    key.size(0));
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+                    " entries for ", key.size(0), " tokens");
+  TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
+                    "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
+  if (check_ranges) check_slot_mapping_range(slot_mapping, cache);  // host copy: documented sync
+  if (key.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(key.device());
+
+  CacheWriteParams p{};
+  p.element_size = static_cast<int>(key.element_size());
+  p.key = key.data_ptr(), p.value = value.data_ptr();
+  p.key_token_stride = key.stride(0), p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0), p.value_head_stride = value.stride(1);
+  p.key_cache = key_cache.data_ptr(), p.value_cache = value_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.num_tokens = key.size(0), p.num_slots = cache.num_blocks * cache.block_size;
+  p.num_kv_heads = static_cast<int>(cache.num_kv_heads);
+  p.block_size = static_cast<int>(cache.block_size), p.head_size = static_cast<int>(cache.head_size);
+  const int64_t vec = 16 / p.element_size;
+  p.vectorized = aligned16(p.key) && aligned16(p.value) && p.key_token_stride % vec == 0 &&
+                 p.key_head_stride % vec == 0 && p.value_token_stride % vec == 0 &&
+                 p.value_head_stride % vec == 0;
+  C10_CUDA_CHECK(launch_reshape_and_cache(p, current_stream()));
+}
+
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                 const at::Tensor& block_mapping, bool check_ranges) {
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
+                    " layers but value_caches has ", value_caches.size());
+  if (key_caches.empty()) return check_block_mapping(block_mapping, 0, 0, false, false);
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    check_kv_cache(key_caches[i], value_caches[i]);
+    TORCH_CHECK_VALUE(key_caches[i].sizes() == key_caches[0].sizes() &&
+                          key_caches[i].scalar_type() == key_caches[0].scalar_type() &&
+                          key_caches[i].device() == key_caches[0].device(),
+                      "key_caches[", i, "] differs from key_caches[0] in shape, dtype or device");
+  }
+  TORCH_CHECK_VALUE(key_caches[0].is_cuda(), "key_caches must be CUDA tensors in a CUDA copy_blocks");
+  const int64_t num_blocks = key_caches[0].size(0);
+  check_block_mapping(block_mapping, num_blocks, num_blocks, check_ranges, true);  // CPU data: no sync
+  if (block_mapping.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(key_caches[0].device());
+
+  const int64_t bytes = block_bytes(key_caches[0]);
+  bool aligned = bytes % 16 == 0;
+  std::vector<int64_t> words;
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    for (const at::Tensor* t : {&key_caches[i], &value_caches[i]}) {
+      const int64_t addr = reinterpret_cast<int64_t>(t->data_ptr());
+      aligned = aligned && addr % 16 == 0;
+      push_tensor(words, addr, addr, bytes, num_blocks, num_blocks);
+    }
+  }
+  run_block_copy(words, as_int(2 * int64_t(key_caches.size()), "number of caches"), block_mapping, bytes,
+                 aligned, key_caches[0].device());
+}
+
+void swap_blocks(at::TensorList src, at::TensorList dst, const at::Tensor& block_mapping,
+                 bool check_ranges) {
+  TORCH_CHECK_VALUE(src.size() == dst.size(), "src has ", src.size(), " tensors but dst has ",
+                    dst.size());
+  int64_t src_blocks = INT64_MAX, dst_blocks = INT64_MAX;
+  c10::optional<at::Device> device;
+  for (size_t i = 0; i < src.size(); ++i) {
+    TORCH_CHECK_VALUE(src[i].dim() >= 2 && dst[i].dim() == src[i].dim() &&
+                          src[i].sizes().slice(1) == dst[i].sizes().slice(1),
+                      "src[", i, "] ", src[i].sizes(), " and dst[", i, "] ", dst[i].sizes(),
+                      " must be [num_blocks, ...] with the same block shape");
+    TORCH_CHECK_TYPE(src[i].scalar_type() == dst[i].scalar_type(), "src[", i, "] dtype ",
+                     src[i].scalar_type(), " differs from dst[", i, "] dtype ", dst[i].scalar_type());
+    TORCH_CHECK_VALUE(src[i].is_contiguous() && dst[i].is_contiguous(), "src[", i, "] and dst[", i,
+                      "] must be contiguous");
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{src[i], "src"}, {dst[i], "dst"}}) {
+      if (t.is_cuda()) {
+        if (!device) device = t.device();
+        TORCH_CHECK_VALUE(t.device() == *device, name, "[", i, "] is on ", t.device(),
+                          " but the swap runs on ", *device);
+      } else {
+        TORCH_CHECK_VALUE(t.is_cpu() && t.is_pinned(), name, "[", i,
+                          "] must be a CUDA tensor or pinned CPU memory (allocate the swap space "
+                          "with pin_memory=True)");
+      }
+    }
+    src_blocks = std::min(src_blocks, src[i].size(0));
+    dst_blocks = std::min(dst_blocks, dst[i].size(0));
+  }
+  if (src.empty()) src_blocks = dst_blocks = 0;
+  check_block_mapping(block_mapping, src_blocks, dst_blocks, check_ranges, false);  // CPU data: no sync
+  if (src.empty() || block_mapping.size(0) == 0) return;
+  TORCH_CHECK_VALUE(device.has_value(), "swap_blocks on CUDA needs a CUDA tensor in src or dst");
+  const c10::cuda::CUDAGuard guard(*device);
+
+  std::vector<int64_t> words;
+  int64_t max_bytes = 0;
+  bool aligned = true;
+  const at::Tensor m = block_mapping.contiguous();
+  const int64_t* pairs = m.data_ptr<int64_t>();
+  for (size_t i = 0; i < src.size(); ++i) {
+    const int64_t bytes = block_bytes(src[i]);
+    const int64_t s = device_address(src[i]), d = device_address(dst[i]);
+    if (s == 0 || d == 0) {
+      // Pinned memory the device cannot address directly (not expected with unified
+      // addressing): async copies per block for this tensor, bounds checked here since the
+      // kernel's guards do not cover this path.
+      TORCH_WARN_ONCE("swap_blocks: pinned memory is not mapped into the device; using per-block copies");
+      for (int64_t k = 0; k < m.size(0); ++k) {
+        if (pairs[2 * k] < 0 || pairs[2 * k] >= src[i].size(0) || pairs[2 * k + 1] < 0 ||
+            pairs[2 * k + 1] >= dst[i].size(0)) continue;
+        C10_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst[i].data_ptr()) + pairs[2 * k + 1] * bytes,
+                                       static_cast<const char*>(src[i].data_ptr()) + pairs[2 * k] * bytes,
+                                       bytes, cudaMemcpyDefault, current_stream()));
+      }
+      continue;
+    }
+    aligned = aligned && bytes % 16 == 0 && s % 16 == 0 && d % 16 == 0;
+    max_bytes = std::max(max_bytes, bytes);
+    push_tensor(words, s, d, bytes, src[i].size(0), dst[i].size(0));
+  }
+  const int num_tensors = static_cast<int>(words.size() / 5);
+  if (num_tensors > 0) run_block_copy(words, num_tensors, block_mapping, max_bytes, aligned, *device);
+}
+
+}  // namespace cuda
+}  // namespace kvpage
