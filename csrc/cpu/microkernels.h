@@ -1,7 +1,7 @@
 // The two inner loops of paged attention, on fp32 tiles in L1:
 //   scores:  S[r][t]  = q[r] . k[t]          (rows x tokens; k rows are contiguous in head_size)
 //   values:  acc[r]  += sum_t p[r][t] v[t]   (rows x head_size)
-// AVX2 builds get register-blocked kernels (2 rows x 4 tokens, 2 rows x 32 lanes), so each K or V
+// AVX2 builds get register-blocked kernels (3 rows x 4 tokens, 3 rows x 32 lanes), so each K or V
 // vector loaded from L1 feeds several FMAs; other builds get plain loops the compiler vectorises.
 // Included inside the ISA namespace, after vec.h.
 #pragma once
@@ -21,33 +21,21 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// rows r0, r1 x tokens t..t+3
-inline void scores_2x4(const float* q0, const float* q1, const float* k, int64_t d, float* s0, float* s1) {
-  __m256 a[2][4];
+// R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs.
+template <int R>
+inline void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_stride) {
+  __m256 a[R][4];
   for (auto& row : a)
     for (auto& x : row) x = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
-    const __m256 x0 = _mm256_loadu_ps(q0 + i), x1 = _mm256_loadu_ps(q1 + i);
+    __m256 x[R];
+    for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(q + r * d + i);
     for (int j = 0; j < 4; ++j) {
       const __m256 kv = _mm256_loadu_ps(k + j * d + i);
-      a[0][j] = _mm256_fmadd_ps(x0, kv, a[0][j]);
-      a[1][j] = _mm256_fmadd_ps(x1, kv, a[1][j]);
+      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(x[r], kv, a[r][j]);
     }
   }
-  _mm_storeu_ps(s0, hsum4(a[0][0], a[0][1], a[0][2], a[0][3]));
-  _mm_storeu_ps(s1, hsum4(a[1][0], a[1][1], a[1][2], a[1][3]));
-}
-
-inline void scores_1x4(const float* q, const float* k, int64_t d, float* s) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m256 x = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d + i), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * d + i), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * d + i), a3);
-  }
-  _mm_storeu_ps(s, hsum4(a0, a1, a2, a3));
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(s + r * s_stride, hsum4(a[r][0], a[r][1], a[r][2], a[r][3]));
 }
 
 inline float score_1x1(const float* q, const float* k, int64_t d) {
@@ -56,24 +44,21 @@ inline float score_1x1(const float* q, const float* k, int64_t d) {
   return hsum(a);
 }
 
-// Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k.
+template <int R>
+inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) scores_rx4<R>(q, k + t * d, d, s + t, s_stride);
+  for (; t < n; ++t)
+    for (int r = 0; r < R; ++r) s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
+}
+
+// Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. Three-row
+// blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16 registers.
 inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                          int64_t s_stride) {
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4)
-      scores_2x4(q + r * d, q + (r + 1) * d, k + t * d, d, s + r * s_stride + t, s + (r + 1) * s_stride + t);
-    for (; t < n; ++t) {
-      s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
-      s[(r + 1) * s_stride + t] = score_1x1(q + (r + 1) * d, k + t * d, d);
-    }
-  }
-  for (; r < rows; ++r) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) scores_1x4(q + r * d, k + t * d, d, s + r * s_stride + t);
-    for (; t < n; ++t) s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
-  }
+  for (; r + 3 <= rows; r += 3) scores_rows<3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  for (; r < rows; ++r) scores_rows<1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
 
 // acc[r][i..i+W) += sum_t p[r][t] v[t][i..i+W) for R rows, W = 8 * L lanes held in registers.
@@ -105,6 +90,7 @@ inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride,
 inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   int64_t r = 0;
+  for (; r + 3 <= rows; r += 3) values_rows<3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
   for (; r + 2 <= rows; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
   if (r < rows) values_rows<1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
 }
