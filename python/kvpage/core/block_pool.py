@@ -1,0 +1,71 @@
+"""A pool of physical KV blocks on one device: O(1) allocate and free, one ref count per block."""
+from __future__ import annotations
+
+from .prefix_cache import PrefixCache
+
+
+class BlockPool:
+    """Ref counts equal the number of block-table entries pointing at each block, nothing else.
+
+    Each block is in exactly one state: free (ref 0, plain free list), used (ref > 0), or cached
+    (ref 0, still indexed by the prefix cache, reclaimed LRU-first once the free list runs dry).
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        # A stack: popping from the end hands out block 0 first and keeps both ends O(1).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.cache = PrefixCache() if enable_prefix_caching else None
+        self.num_used = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: plain free ones plus cached ones it may reclaim."""
+        if self.cache is None:
+            return len(self._free)
+        return len(self._free) + self.cache.num_evictable
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0 if self.cache is None else self.cache.num_evictable
+
+    def allocate(self) -> int:
+        if self._free:
+            block_id = self._free.pop()
+        elif self.cache is not None and self.cache.num_evictable:
+            block_id = self.cache.evict()
+        else:
+            raise RuntimeError(f"out of KV blocks: all {self.num_blocks} are in use")
+        self.ref_counts[block_id] = 1
+        self.num_used += 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        refs = self.ref_counts
+        if refs[block_id] == 0:
+            # Only a cached block can be referenced again from zero: a prefix-cache hit revives it.
+            self.cache.revive(block_id)
+            self.num_used += 1
+        refs[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        refs = self.ref_counts
+        n = refs[block_id]
+        if n > 1:
+            refs[block_id] = n - 1
+            return
+        if n != 1:
+            raise RuntimeError(f"block {block_id} freed more often than it was referenced")
+        refs[block_id] = 0
+        self.num_used -= 1
+        if self.cache is not None and self.cache.contains_block(block_id):
+            self.cache.park(block_id)
+        else:
+            self._free.append(block_id)
+
+    def free_blocks(self) -> list[int]:
+        """The plain free list (for checks and tests; not on any hot path)."""
+        return list(self._free)

@@ -1,0 +1,92 @@
+"""Content index over one pool's full blocks, and the LRU of indexed blocks that no table references."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+from . import hashing
+
+
+class BlockKey(NamedTuple):
+    """Everything a block's hash commits to, kept so a hit can be confirmed rather than trusted."""
+
+    parent_hash: bytes
+    token_bytes: bytes  # hashing.pack_tokens of the block's token ids
+    extra_keys: tuple
+
+    def digest(self) -> bytes:
+        return hashing.hash_block(self.parent_hash, self.token_bytes, self.extra_keys)
+
+
+class PrefixCache:
+    """hash -> block for blocks whose KV is complete; one block per hash.
+
+    A block stays indexed while referenced and after its last reference goes (then it is
+    "evictable": free to reuse, but still worth a hit); the pool reclaims evictable blocks, oldest
+    first, only once its plain free list is empty.
+    """
+
+    def __init__(self) -> None:
+        self._block_by_hash: dict[bytes, int] = {}
+        self._hash_of_block: dict[int, bytes] = {}
+        self._key_of_block: dict[int, BlockKey] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._block_by_hash)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def get(self, block_hash: bytes) -> int | None:
+        """The block indexed under `block_hash`; a caller must still compare its key (see lookup)."""
+        return self._block_by_hash.get(block_hash)
+
+    def lookup(self, block_hash: bytes, key: BlockKey) -> int | None:
+        block_id = self._block_by_hash.get(block_hash)
+        # Compare the contents too: a hash collision must never hand out someone else's KV.
+        if block_id is None or self._key_of_block[block_id] != key:
+            return None
+        return block_id
+
+    def insert(self, block_id: int, block_hash: bytes, key: BlockKey) -> bool:
+        """Index a just-completed block; False when an equal block is already indexed (keep that one)."""
+        if block_hash in self._block_by_hash or block_id in self._hash_of_block:
+            return False
+        self._block_by_hash[block_hash] = block_id
+        self._hash_of_block[block_id] = block_hash
+        self._key_of_block[block_id] = key
+        return True
+
+    def contains_block(self, block_id: int) -> bool:
+        return block_id in self._hash_of_block
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def park(self, block_id: int) -> None:
+        """Last reference gone: keep the contents for future hits, at the young end of the LRU."""
+        self._evictable[block_id] = None
+
+    def revive(self, block_id: int) -> None:
+        del self._evictable[block_id]
+
+    def evict(self) -> int:
+        """Reclaim the least recently freed indexed block; it stops being a hit."""
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._block_by_hash[self._hash_of_block.pop(block_id)]
+        del self._key_of_block[block_id]
+        return block_id
+
+    def hash_of(self, block_id: int) -> bytes | None:
+        return self._hash_of_block.get(block_id)
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        return self._key_of_block.get(block_id)
+
+    def evictable_blocks(self) -> list[int]:
+        return list(self._evictable)
+
+    def indexed(self) -> list[tuple[bytes, int]]:
+        return list(self._block_by_hash.items())
