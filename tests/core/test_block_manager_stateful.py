@@ -1,0 +1,174 @@
+"""Random allocate / append / fork / free / swap / prefix-hit programs against a simulated KV cache.
+
+Besides the bookkeeping invariants, the machine keeps a fake cache (one token id per slot, written
+through slot mappings and moved by the returned copy and swap mappings, as the kernels would).
+After every step, every computed token of every sequence must be readable from its own slots:
+that catches a missed copy-on-write, a wrong swap mapping or a false prefix hit, not just a
+miscounted ref count.
+"""
+import os
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpage.core import BlockManager, Sequence, check_block_manager
+
+_PROFILE = os.environ.get("KVPAGE_HYPOTHESIS_PROFILE", "ci")
+_EXAMPLES, _STEPS = {"ci": (60, 40), "deep": (2000, 100)}.get(_PROFILE, (60, 40))
+
+# Few, short, overlapping prompts over a tiny vocabulary: prefix hits and shared blocks are common.
+PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 0, 0, 0, 0, 2, 2], [3, 3, 3, 3, 3, 3, 3, 3])
+VOCAB = st.integers(0, 3)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40),
+                num_host_blocks=st.integers(0, 24), prefix_caching=st.booleans())
+    def setup(self, block_size, num_blocks, num_host_blocks, prefix_caching):
+        self.bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, watermark=0.05)
+        self.groups: list[list[Sequence]] = []
+        self.history: list[list[int]] = []
+        self.device_kv: dict[int, list] = {}
+        self.host_kv: dict[int, list] = {}
+        self.next_id = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _kv(self, seq):
+        return self.host_kv if seq.swapped else self.device_kv
+
+    def _run(self, seq, num_new_tokens):
+        """What a forward pass does: write this step's tokens through the slot mapping."""
+        start = seq.num_computed_tokens
+        bs = self.bm.block_size
+        for pos, slot in zip(range(start, start + num_new_tokens),
+                             self.bm.slot_mapping(seq, start, start + num_new_tokens)):
+            self.device_kv.setdefault(slot // bs, [None] * bs)[slot % bs] = seq.token_ids[pos]
+        self.bm.mark_computed(seq, num_new_tokens)
+
+    @staticmethod
+    def _copy(src_kv, dst_kv, mapping):
+        for src, dst in mapping:
+            dst_kv[dst] = list(src_kv[src])
+
+    def _seqs(self):
+        return [seq for group in self.groups for seq in group]
+
+    def _admit(self, tokens, chunk):
+        seq = Sequence(self.next_id, tokens)
+        self.next_id += 1
+        hit = self.bm.lookup_prefix(seq)
+        assert hit % self.bm.block_size == 0 and hit < len(tokens)
+        num_new = min(chunk, len(tokens) - hit)
+        if not self.bm.can_allocate(seq, num_new):
+            return
+        assert self.bm.allocate(seq, num_new) == hit == seq.num_computed_tokens
+        self._run(seq, num_new)
+        self.groups.append([seq])
+        self.history.append(list(tokens))
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 12), suffix=st.lists(VOCAB, max_size=6),
+          chunk=st.integers(1, 20))
+    def new_request(self, prefix, cut, suffix, chunk):
+        tokens = prefix[:cut] + suffix
+        if tokens:
+            self._admit(tokens, chunk)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), extra=st.lists(VOCAB, max_size=3), chunk=st.integers(1, 20))
+    def prefix_hit(self, data, extra, chunk):
+        """Resubmit an earlier request's tokens (a recompute preemption or a repeated prompt)."""
+        self._admit(data.draw(st.sampled_from(self.history)) + extra, chunk)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data(), n=st.integers(1, 6), token=VOCAB)
+    def step(self, data, n, token):
+        seq = data.draw(st.sampled_from(self._seqs()))
+        if seq.swapped:
+            return
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.append_token(token)  # decode: the sampled token is computed next step
+        n = min(n, len(seq.token_ids) - seq.num_computed_tokens)
+        if not self.bm.can_append_slots(seq, n):
+            return
+        self._copy(self.device_kv, self.device_kv, self.bm.append_slots(seq, n))
+        self._run(seq, n)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def fork(self, data):
+        group = data.draw(st.sampled_from(self.groups))
+        parent = data.draw(st.sampled_from(group))
+        if parent.swapped or len(group) >= 4:
+            return
+        child = parent.fork(self.next_id)
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        group.append(child)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def free(self, data):
+        group = data.draw(st.sampled_from(self.groups))
+        seq = data.draw(st.sampled_from(group))
+        self.bm.free(seq)
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        group.remove(seq)
+        if not group:
+            self.groups.remove(group)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        group = data.draw(st.sampled_from(self.groups))
+        if any(seq.swapped for seq in group) or not self.bm.can_swap_out(group):
+            return
+        distinct = {b for seq in group for b in seq.block_table}
+        mapping = self.bm.swap_out(group)
+        assert sorted(src for src, _ in mapping) == sorted(distinct)  # each shared block moves once
+        self._copy(self.device_kv, self.host_kv, mapping)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        group = data.draw(st.sampled_from(self.groups))
+        if not any(seq.swapped for seq in group) or not self.bm.can_swap_in(group):
+            return
+        self._copy(self.host_kv, self.device_kv, self.bm.swap_in(group))
+        assert not any(seq.swapped for seq in group)
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        if hasattr(self, "bm"):
+            check_block_manager(self.bm, self._seqs())
+
+    @invariant()
+    def every_computed_token_is_in_its_slot(self):
+        if not hasattr(self, "bm"):
+            return
+        bs = self.bm.block_size
+        for seq in self._seqs():
+            kv = self._kv(seq)
+            for pos in range(seq.num_computed_tokens):
+                block = kv.get(seq.block_table[pos // bs])
+                assert block is not None and block[pos % bs] == seq.token_ids[pos], \
+                    f"seq {seq.seq_id}: position {pos} does not hold its token"
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in self._seqs():
+            self.bm.free(seq)
+        check_block_manager(self.bm, [])
+        stats = self.bm.stats()
+        assert stats.num_used_blocks == 0 and stats.num_host_used_blocks == 0
+        assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=_EXAMPLES, stateful_step_count=_STEPS,
+                                                 deadline=None)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
