@@ -39,8 +39,10 @@ def test_hash_commits_to_parent_tokens_and_extra_keys():
 
 
 def test_token_ids_outside_int64_are_rejected():
-    with pytest.raises(struct.error):
+    with pytest.raises(ValueError, match="token_ids"):
         hash_block_tokens(ROOT_HASH, [2**63])
+    with pytest.raises(ValueError, match="token_ids"):
+        hash_block_tokens(ROOT_HASH, [1.5])
 
 
 def test_core_imports_without_torch_or_the_extension():

@@ -54,6 +54,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _seqs(self):
         return [seq for group in self.groups for seq in group]
 
+    def _on_device(self):
+        return [seq for seq in self._seqs() if not seq.swapped]
+
+    def _groups(self, swapped):
+        return [group for group in self.groups if group[0].swapped == swapped]
+
     def _admit(self, tokens, chunk):
         seq = Sequence(self.next_id, tokens)
         self.next_id += 1
@@ -82,12 +88,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Resubmit an earlier request's tokens (a recompute preemption or a repeated prompt)."""
         self._admit(data.draw(st.sampled_from(self.history)) + extra, chunk)
 
-    @precondition(lambda self: self.groups)
+    @precondition(lambda self: self._on_device())
     @rule(data=st.data(), n=st.integers(1, 6), token=VOCAB)
     def step(self, data, n, token):
-        seq = data.draw(st.sampled_from(self._seqs()))
-        if seq.swapped:
-            return
+        seq = data.draw(st.sampled_from(self._on_device()))
         if seq.num_computed_tokens == len(seq.token_ids):
             seq.append_token(token)  # decode: the sampled token is computed next step
         n = min(n, len(seq.token_ids) - seq.num_computed_tokens)
@@ -96,12 +100,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._copy(self.device_kv, self.device_kv, self.bm.append_slots(seq, n))
         self._run(seq, n)
 
-    @precondition(lambda self: self.groups)
+    @precondition(lambda self: self._groups(swapped=False))
     @rule(data=st.data())
     def fork(self, data):
-        group = data.draw(st.sampled_from(self.groups))
+        group = data.draw(st.sampled_from(self._groups(swapped=False)))
         parent = data.draw(st.sampled_from(group))
-        if parent.swapped or len(group) >= 4:
+        if len(group) >= 4:
             return
         child = parent.fork(self.next_id)
         self.next_id += 1
@@ -119,22 +123,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not group:
             self.groups.remove(group)
 
-    @precondition(lambda self: self.groups)
+    @precondition(lambda self: self._groups(swapped=False))
     @rule(data=st.data())
     def swap_out(self, data):
-        group = data.draw(st.sampled_from(self.groups))
-        if any(seq.swapped for seq in group) or not self.bm.can_swap_out(group):
+        group = data.draw(st.sampled_from(self._groups(swapped=False)))
+        if not self.bm.can_swap_out(group):
             return
         distinct = {b for seq in group for b in seq.block_table}
         mapping = self.bm.swap_out(group)
         assert sorted(src for src, _ in mapping) == sorted(distinct)  # each shared block moves once
         self._copy(self.device_kv, self.host_kv, mapping)
 
-    @precondition(lambda self: self.groups)
+    @precondition(lambda self: self._groups(swapped=True))
     @rule(data=st.data())
     def swap_in(self, data):
-        group = data.draw(st.sampled_from(self.groups))
-        if not any(seq.swapped for seq in group) or not self.bm.can_swap_in(group):
+        group = data.draw(st.sampled_from(self._groups(swapped=True)))
+        if not self.bm.can_swap_in(group):
             return
         self._copy(self.host_kv, self.device_kv, self.bm.swap_in(group))
         assert not any(seq.swapped for seq in group)

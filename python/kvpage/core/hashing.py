@@ -19,7 +19,10 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     packer = _packers.get(n)
     if packer is None:
         packer = _packers[n] = struct.Struct(f"<{n}q")
-    return packer.pack(*token_ids)
+    try:
+        return packer.pack(*token_ids)
+    except struct.error as e:
+        raise ValueError(f"token_ids must be ints in int64 range: {e}") from None
 
 
 def hash_block(parent_hash: bytes, token_bytes: bytes, extra_keys: tuple = ()) -> bytes:
