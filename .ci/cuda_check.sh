@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Compile-checks every CUDA kernel file with the local nvcc for sm_80 and sm_90 (no GPU, no
+# torch needed) and prints registers / spills per kernel (-Xptxas -v). Fails on any error.
+#
+#   .ci/cuda_check.sh            kernels only (~2 min on 2 cores)
+#   .ci/cuda_check.sh --build    also build the real extension against a CUDA torch in a
+#                                scratch copy of the tree and check the ops have CUDA kernels
+#                                (KVPAGE_CI_CUDA_BUILD=1 does the same; creates the venv if missing)
+#
+# Env: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), CUDA_ARCHS (default "80 90"),
+# KVPAGE_CUDA_VENV (default /work/cuda-venv), KVPAGE_CUDA_TORCH (default torch==2.14.1).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+ARCHS="${CUDA_ARCHS:-80 90}"
+BUILD="${KVPAGE_CI_CUDA_BUILD:-0}"
+[[ "${1:-}" == "--build" ]] && BUILD=1
+
+if [[ ! -x "$NVCC" ]]; then
+  echo "cuda_check: nvcc not found ($NVCC); set NVCC" >&2
+  exit 1
+fi
+echo "cuda_check: $("$NVCC" --version | tail -1)"
+
+LOG="$(mktemp -d)"
+trap 'rm -rf "$LOG"' EXIT
+status=0
+pids=()
+for src in "$ROOT"/csrc/cuda/*.cu; do
+  for arch in $ARCHS; do
+    out="$LOG/$(basename "$src" .cu).sm_$arch.log"
+    ( "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -Xptxas -v -Werror all-warnings \
+        -c "$src" -o /dev/null >"$out" 2>&1 || echo "FAILED" >>"$out" ) &
+    pids+=($!)
+  done
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+
+for out in "$LOG"/*.log; do
+  name="$(basename "$out" .log)"
+  if grep -q "^FAILED" "$out" || grep -qi "error" "$out"; then
+    echo "cuda_check: $name FAILED" >&2
+    grep -v "ptxas info" "$out" >&2 || true
+    status=1
+  fi
+done
+
+# Registers / spills per kernel: "Compiling entry function 'X' for 'sm_N'" comes before that
+# kernel's spill and "Used N registers" lines.
+echo
+python3 - "$LOG"/*.log <<'PYEOF'
+import re, subprocess, sys
+rows = set()
+for path in sys.argv[1:]:
+    fn = arch = spill = None
+    for line in open(path):
+        if m := re.search(r"Compiling entry function '([^']+)' for '(sm_\w+)'", line):
+            fn, arch, spill = m[1], m[2], "?"
+        elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            spill = f"{m[1]}/{m[2]}"
+        elif (m := re.search(r"Used (\d+) registers", line)) and fn:
+            rows.add((arch, fn, int(m[1]), spill))
+            fn = None
+names = sorted({r[1] for r in rows})
+try:
+    pretty = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+except OSError:
+    pretty = names
+short = {}
+for raw, nice in zip(names, pretty):
+    nice = re.sub(r"kvpage::cuda::|\(anonymous namespace\)::|__nv_|__", "", nice)
+    short[raw] = re.sub(r"\(.*\)$", "", nice)  # drop the parameter list
+print(f"{'arch':7} {'kernel':58} {'regs':>5} {'spill st/ld':>12}")
+for arch, name, regs, spill in sorted({(a, short[f], r, s) for a, f, r, s in rows}):
+    print(f"{arch:7} {name[:58]:58} {regs:5d} {spill:>12}")
+PYEOF
+spills="$(grep -h "bytes spill stores" "$LOG"/*.log | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)"
+echo "cuda_check: kernels with spills: $spills"
+[[ $status -ne 0 ]] && { echo "cuda_check: nvcc compile check FAILED" >&2; exit 1; }
+echo "cuda_check: all kernel files compile for sm_${ARCHS// /, sm_}"
+
+[[ "$BUILD" == "1" ]] || exit 0
+
+# ---- Full extension build against a CUDA torch, in a scratch copy (never touches the tree's _C) ----
+VENV="${KVPAGE_CUDA_VENV:-/work/cuda-venv}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "${KVPAGE_CUDA_TORCH:-torch==2.14.1}" pybind11 ninja cmake numpy pytest
+fi
+PY="$VENV/bin/python"
+SCRATCH="$(mktemp -d /tmp/kvpage-cuda-build.XXXX)"
+trap 'rm -rf "$LOG" "$SCRATCH"' EXIT
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 -I{} cp --parents {} "$SCRATCH"/) 2>/dev/null ||
+  (cd "$ROOT" && tar --exclude=./build --exclude='*.so' --exclude=./.git -cf - . | tar -xf - -C "$SCRATCH")
+export PATH="$(dirname "$NVCC"):$VENV/bin:$PATH"
+PREFIX="$("$PY" -c 'import torch,pybind11;print(torch.utils.cmake_prefix_path+";"+pybind11.get_cmake_dir())')"
+EXTRA=()
+# A pip torch finds its nvrtc in site-packages, not in a bare toolkit.
+NVRTC="$("$PY" -c 'import glob,nvidia,os;print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0],"*","lib","libnvrtc.so*")))),""))' 2>/dev/null || true)"
+[[ -n "$NVRTC" ]] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC" "-DCUDA_NVRTC_LIB=$NVRTC")
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" cmake -S "$SCRATCH" -B "$SCRATCH/build" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON \
+  -DKVPAGE_OUTPUT_DIR="$SCRATCH/python/kvpage" "${EXTRA[@]}" >"$LOG/configure.txt" 2>&1 ||
+  { cat "$LOG/configure.txt" >&2; exit 1; }
+cmake --build "$SCRATCH/build" -j "${MAX_JOBS:-$(nproc)}" >"$LOG/build.txt" 2>&1 ||
+  { tail -60 "$LOG/build.txt" >&2; echo "cuda_check: extension build FAILED" >&2; exit 1; }
+PYTHONPATH="$SCRATCH/python" "$PY" - <<'PYEOF'
+import torch
+from kvpage import _C, ops  # noqa: F401
+assert _C.built_with_cuda, "kvpage._C built without CUDA"
+missing = [op for op in ("reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
+                         "swap_blocks")
+           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kvpage::{op}", "CUDA")]
+assert not missing, f"no CUDA kernel registered for {missing}"
+print(f"cuda_check: extension builds against torch {torch.__version__} and registers every op for CUDA")
+PYEOF
