@@ -15,3 +15,16 @@ __all__ = [
     "PrefixCache", "ROOT_HASH", "Sequence", "SequenceGroup", "check_block_manager", "hash_block_tokens",
     "num_blocks_for", "slot_mapping",
 ]
+
+# The scheduler (issue 4): request state, victim policies, the swap-versus-recompute cost model.
+from .cost_model import PreemptionCostModel, cost_model_from_measurements  # noqa: E402
+from .policies import LeastProgressLost, MostRecentlyAdmitted, VictimPolicy, get_policy  # noqa: E402
+from .request import FinishReason, Request, RequestStatus  # noqa: E402
+from .scheduler import Scheduler, SchedulerConfig, SchedulerStats  # noqa: E402
+from .scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+
+__all__ += [
+    "FinishReason", "LeastProgressLost", "MostRecentlyAdmitted", "PreemptionCostModel", "Request",
+    "RequestStatus", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
+    "VictimPolicy", "cost_model_from_measurements", "get_policy",
+]

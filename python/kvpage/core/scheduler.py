@@ -1,0 +1,396 @@
+"""Iteration-level scheduler: one decision per forward pass, chunked prefill, preemption by swap or recompute.
+
+Each `schedule()` fills one step's token and sequence budgets in this order:
+  1. running decodes, one token per sequence (preempting others when a block is missing),
+  2. running prefills carried over from an earlier step (chunked to the budget left),
+  3. swapped requests back in, first out first in, while blocks allow,
+  4. waiting requests in arrival order (preempted-by-recompute ones at the front), chunked.
+Steps 3 and 4 are skipped in a step that preempted (the memory that just ran out is not there to
+give), and 4 while anything is swapped (swapped requests would starve behind new ones).
+After the runner executes the step, `update_from_output` records what was computed and sampled.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .block_manager import BlockManager, BlockManagerStats
+from .block_table import num_blocks_for
+from .cost_model import PreemptionCostModel
+from .policies import VictimPolicy, check_preemption_mode, get_policy
+from .request import FinishReason, Request, RequestStatus
+from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .sequence import Sequence, SequenceGroup
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # prompt + max_tokens beyond this is rejected at admission
+    policy: str | VictimPolicy = "recent"  # "recent" | "least_progress" | a VictimPolicy
+    preemption_mode: str | None = None  # "swap" | "recompute" | None: the policy's, else the cost model's
+    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
+        check_preemption_mode(self.preemption_mode)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_finished: int
+    num_preemptions: int
+    num_swap_preemptions: int
+    num_recompute_preemptions: int
+    blocks: BlockManagerStats
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return num_tokens <= self.tokens and num_seqs <= self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None, **kwargs) -> None:
+        if config is not None and kwargs:
+            raise TypeError("pass either a SchedulerConfig or keyword arguments, not both")
+        self.config = config if config is not None else SchedulerConfig(**kwargs)
+        self.bm = block_manager
+        self.policy = get_policy(self.config.policy)
+        # Precedence: an explicit preemption_mode, then the policy's own, then the cost model per victim.
+        self.preemption_mode = self.config.preemption_mode or getattr(self.policy, "preemption_mode", None)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # ordered by admit_order: oldest decodes first
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._finished_ids: list[str] = []
+        self._pending: SchedulerOutput | None = None
+        self._scheduled: set[str] = set()  # request ids with tokens in the step being built
+        self._scheduled_seqs: set[int] = set()
+        self.step = 0
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._next_admit = 0
+        self.num_finished = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Iterable[int], *, max_tokens: int = 16, n: int = 1,
+                    eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
+                    ignore_eos: bool = False, extra_keys: tuple = ()) -> Request:
+        """Queue a request, or raise ValueError naming it if it could never run (nothing is queued then)."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        for name, value in (("max_tokens", max_tokens), ("n", n)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"request {request_id!r}: {name} must be a positive int, got {value!r}")
+        seq = Sequence(self._next_seq_id, list(prompt_token_ids), extra_keys)
+        if not all(isinstance(t, int) and t >= 0 for t in seq.token_ids):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative ints")
+        self._check_fits(request_id, seq.num_tokens, max_tokens, n)
+        self._next_seq_id += 1
+        request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, eos_token_id,
+                          frozenset(stop_token_ids), ignore_eos, arrival_order=self._next_arrival,
+                          arrival_step=self.step)
+        self._next_arrival += 1
+        self.requests[request_id] = request
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(request)
+        return request
+
+    def _check_fits(self, request_id: str, num_prompt: int, max_tokens: int, n: int) -> None:
+        """Reject up front what no amount of waiting or preemption could ever run."""
+        cfg = self.config
+        if n > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            # A group's decodes go in one step, one token per sequence.
+            raise ValueError(f"request {request_id!r}: n={n} exceeds max_num_seqs={cfg.max_num_seqs}"
+                             f" or max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        total = num_prompt + max_tokens
+        limit = self.config.max_model_len
+        if limit is not None and total > limit:
+            raise ValueError(f"request {request_id!r}: prompt of {num_prompt} tokens + max_tokens={max_tokens}"
+                             f" = {total} exceeds max_model_len={limit}")
+        # Worst case: n private copies of the whole sequence (recompute undoes fork sharing), and
+        # admission keeps the watermark free, so only the rest of the cache is ever usable.
+        bm = self.bm
+        need = n * num_blocks_for(total, bm.block_size)
+        usable = bm.device.num_blocks - bm.watermark_blocks
+        if need > usable:
+            raise ValueError(f"request {request_id!r}: prompt of {num_prompt} tokens + max_tokens={max_tokens}"
+                             f" (n={n}) needs {need} KV blocks of {bm.block_size} tokens, but only {usable}"
+                             f" of the cache's {bm.device.num_blocks} (num_kv_blocks) are usable")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request wherever it is, freeing its device or host blocks; False if unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        for seq in request.live_seqs():
+            request.finish_reasons[seq.seq_id] = FinishReason.ABORT
+        self._finish_request(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._pending is not None:
+            raise RuntimeError(f"schedule() called again before update_from_output() for step {self._pending.step}")
+        out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        self._scheduled, self._scheduled_seqs = set(), set()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_decodes(out, budget)
+        self._schedule_running_prefills(out, budget)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        self._pending = out
+        self.step += 1
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget) -> None:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            seqs = [s for s in request.live_seqs() if s.block_table and s.num_uncomputed_tokens == 1]
+            if not seqs or not budget.fits(len(seqs), len(seqs)):
+                continue
+            if self._make_room(request, [(s, 1) for s in seqs], out, preempt_self=True):
+                for seq in seqs:
+                    self._append(request, seq, 1, out, budget)
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: _Budget) -> None:
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING:
+                self._schedule_prefills(request, out, budget, may_preempt=True)
+
+    def _schedule_prefills(self, request: Request, out: SchedulerOutput, budget: _Budget,
+                           may_preempt: bool) -> None:
+        """Carry on (or start) each sequence's prefill with a chunk of what the budget has left."""
+        for seq in request.live_seqs():
+            if not budget.fits(1, 1):
+                return
+            if seq.seq_id in self._scheduled_seqs:
+                continue  # admitted a moment ago: its tokens count as computed only after the step
+            if not seq.block_table:
+                if not self._allocate(request, seq, out, budget):
+                    return
+            elif seq.num_uncomputed_tokens > 1:
+                n = min(seq.num_uncomputed_tokens, budget.tokens)
+                # Never preempt yourself to continue a prefill: the decodes already taken this step
+                # are newer work, and the request would just come back to the same spot.
+                if not self._make_room(request, [(seq, n)], out, preempt_self=False, may_preempt=may_preempt):
+                    return
+                self._append(request, seq, n, out, budget)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seqs = request.live_seqs()
+            if not budget.fits(len(seqs), len(seqs)) or not self.bm.can_swap_in(seqs):
+                return
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.bm.swap_in(seqs))
+            self._to_running(request)
+            decodes = [s for s in seqs if s.block_table and s.num_uncomputed_tokens == 1]
+            if self._make_room(request, [(s, 1) for s in decodes], out, preempt_self=False, may_preempt=False):
+                for seq in decodes:
+                    self._append(request, seq, 1, out, budget)
+            self._schedule_prefills(request, out, budget, may_preempt=False)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and budget.fits(1, 1):
+            request = self.waiting[0]
+            # Strict arrival order: skipping a head that does not fit would let small requests starve it.
+            if not self._allocate(request, request.live_seqs()[0], out, budget):
+                return
+            self.waiting.popleft()
+            if request.admit_order < 0:
+                request.admit_order = self._next_admit
+                self._next_admit += 1
+            self._to_running(request)
+            self._schedule_prefills(request, out, budget, may_preempt=False)
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    def _allocate(self, request: Request, seq: Sequence, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Admit a block-less sequence with a chunk of the budget, past its prefix-cache hits."""
+        hit = self.bm.lookup_prefix(seq)
+        n = min(seq.num_tokens - hit, budget.tokens)
+        if not self.bm.can_allocate(seq, n):
+            return False
+        self.bm.allocate(seq, n)
+        self._record(request, seq, n, out, budget)
+        return True
+
+    def _append(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
+        out.blocks_to_copy.extend(self.bm.append_slots(seq, n))
+        self._record(request, seq, n, out, budget)
+
+    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Exactly what append_slots will draw for `plan`: growth, plus a copy per writer of a shared
+        block except the last one, which by then holds it alone."""
+        bs, refs = self.bm.block_size, self.bm.device.ref_counts
+        grow, writers = 0, Counter()
+        for seq, n in plan:
+            start, table = seq.num_computed_tokens, seq.block_table
+            last = (start + n - 1) // bs
+            grow += max(0, last + 1 - len(table))
+            writers.update(table[i] for i in range(start // bs, min(len(table), last + 1)))
+        return grow + sum(w - (refs[b] == w) for b, w in writers.items())
+
+    def _make_room(self, request: Request, plan: list[tuple[Sequence, int]], out: SchedulerOutput,
+                   preempt_self: bool, may_preempt: bool = True) -> bool:
+        """Preempt victims until `plan` fits; False (after preempting `request` if allowed) if it cannot."""
+        while self._blocks_needed(plan) > self.bm.num_free_blocks:
+            if not may_preempt:
+                return False
+            candidates = [r for r in self.running if r is not request and r.request_id not in self._scheduled]
+            if not candidates:
+                if preempt_self and request.request_id not in self._scheduled:
+                    self._preempt(request, out)
+                return False
+            self._preempt(self.policy.select(candidates), out)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        seqs = request.live_seqs()
+        self.running.remove(request)
+        request.num_preemptions += 1
+        out.preempted.append(request.request_id)
+        if self._preemption_mode(seqs) == "swap" and self.bm.can_swap_out(seqs):
+            out.blocks_to_swap_out.extend(self.bm.swap_out(seqs))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            self.num_swap_preemptions += 1
+        else:  # recompute, or swap with the host pool full
+            for seq in seqs:
+                self.bm.free(seq)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            self.num_recompute_preemptions += 1
+
+    def _preemption_mode(self, seqs: list[Sequence]) -> str:
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        if self.bm.host.num_blocks == 0:
+            return "recompute"
+        num_blocks = len({b for s in seqs for b in s.block_table})
+        num_tokens = sum(s.num_computed_tokens for s in seqs)
+        return self.config.cost_model.choose(num_blocks, self.bm.block_size, num_tokens)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _to_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        i = len(self.running)
+        while i and self.running[i - 1].admit_order > request.admit_order:
+            i -= 1
+        self.running.insert(i, request)
+
+    def _record(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
+        start = seq.num_computed_tokens
+        end = start + n
+        do_sample = end == seq.num_tokens
+        out.scheduled.append(ScheduledSequence(
+            request.request_id, seq.seq_id, start, n, seq.token_ids[start:end], list(seq.block_table),
+            self.bm.slot_mapping(seq, start, end), is_prefill=n > 1 or start < seq.num_prompt_tokens,
+            do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1))
+        budget.tokens -= n
+        budget.seqs -= 1
+        self._scheduled.add(request.request_id)
+        self._scheduled_seqs.add(seq.seq_id)
+        if request.first_scheduled_step < 0:
+            request.first_scheduled_step = self.step
+
+    # -- after the step ------------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int | list[int]]) -> list[Request]:
+        """Record the step `out` described: its tokens are computed, and each sampling sequence gets
+        its sampled token(s) (a list of num_samples where that is > 1). Returns requests that finished."""
+        if out is not self._pending:
+            raise ValueError("update_from_output expects the SchedulerOutput of the latest schedule()")
+        # Aborted after schedule(): its blocks are already free, and nothing it sampled matters.
+        live = [(s, self.requests[s.request_id]) for s in out.scheduled
+                if s.request_id in self.requests and s.seq_id not in self.requests[s.request_id].finish_reasons]
+        tokens = {s.seq_id: self._sampled_tokens(s, sampled) for s, _ in live if s.do_sample}  # check all first
+        self._pending = None
+        finished = []
+        for s, request in live:
+            seq = self._seqs[s.seq_id]
+            self.bm.mark_computed(seq, s.num_scheduled_tokens)
+            if s.do_sample:
+                self._append_sampled(request, seq, tokens[s.seq_id])
+                if not request.live_seqs():
+                    self._finish_request(request)
+                    finished.append(request)
+        return finished
+
+    @staticmethod
+    def _sampled_tokens(s: ScheduledSequence, sampled: Mapping[int, int | list[int]]) -> list[int]:
+        if s.seq_id not in sampled:
+            raise ValueError(f"sampled has no token for seq {s.seq_id} (request {s.request_id!r})")
+        tokens = sampled[s.seq_id]
+        tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+        if len(tokens) != s.num_samples or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise ValueError(f"sampled[{s.seq_id}] must be {s.num_samples} non-negative int token id(s),"
+                             f" got {sampled[s.seq_id]!r}")
+        return tokens
+
+    def _append_sampled(self, request: Request, seq: Sequence, tokens: list[int]) -> None:
+        targets = [seq]
+        for _ in tokens[1:]:  # the prompt just completed: fork the other samples onto its blocks
+            child = seq.fork(self._next_seq_id)
+            self._next_seq_id += 1
+            self.bm.fork(seq, child)
+            request.group.seqs.append(child)
+            self._seqs[child.seq_id] = child
+            targets.append(child)
+        for target, token in zip(targets, tokens):
+            target.append_token(token)
+            reason = request.stop_reason(target, self.config.max_model_len)
+            if reason is not None:
+                request.finish_reasons[target.seq_id] = reason
+                self.bm.free(target)
+
+    def _finish_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.bm.free(seq)
+            self._seqs.pop(seq.seq_id, None)
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                 RequestStatus.SWAPPED: self.swapped}[request.status]
+        queue.remove(request)
+        request.status = request.final_status()
+        request.finished_step = self.step
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+        self.num_finished += 1
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self.waiting), num_running=len(self.running), num_swapped=len(self.swapped),
+            num_finished=self.num_finished,
+            num_preemptions=self.num_swap_preemptions + self.num_recompute_preemptions,
+            num_swap_preemptions=self.num_swap_preemptions,
+            num_recompute_preemptions=self.num_recompute_preemptions, blocks=self.bm.stats())

@@ -1,0 +1,72 @@
+"""One step's decision, as data: everything the runner needs and nothing it must work out again."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of the step: compute tokens at positions [start, start + num_scheduled_tokens).
+
+    The K/V of positions < start are already in the cache (computed earlier or prefix-cache hits);
+    the new tokens' K/V go to slot_mapping; attention covers context_len positions of block_table.
+    """
+
+    request_id: str
+    seq_id: int
+    start: int
+    num_scheduled_tokens: int
+    token_ids: list[int]  # the tokens at those positions
+    block_table: list[int]  # a copy: later steps may grow the live one
+    slot_mapping: list[int]
+    is_prefill: bool  # prompt (or recompute) tokens rather than one decode token
+    do_sample: bool  # the last scheduled token is the sequence's last: keep its logits and sample
+    num_samples: int  # tokens to sample from those logits: n where the prompt's completion forks n samples
+
+    @property
+    def context_len(self) -> int:
+        """seq_lens for the attention ops: cached context plus this step's tokens."""
+        return self.start + self.num_scheduled_tokens
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.context_len)
+
+
+@dataclass
+class SchedulerOutput:
+    """Runner order: swap_blocks(out), swap_blocks(in), copy_blocks, then the forward pass.
+
+    Out before in: a device block freed by a swap-out may be handed out again in the same step.
+    Swap-ins never share a step with a preemption, so no block is both swapped out and in.
+    """
+
+    step: int
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (host, device)
+    blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst) copy-on-write, device
+    preempted: list[str] = field(default_factory=list)  # request ids, in preemption order
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Tokens per request this step."""
+        counts: dict[str, int] = {}
+        for s in self.scheduled:
+            counts[s.request_id] = counts.get(s.request_id, 0) + s.num_scheduled_tokens
+        return counts
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
