@@ -11,7 +11,12 @@
 # KVPAGE_CUDA_VENV (default /work/cuda-venv), KVPAGE_CUDA_TORCH (default torch==2.14.1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+# The toolkit's own nvcc (CUDA_HOME, /usr/local/cuda), so CMake derives the toolkit dir from it;
+# a wrapper on PATH (e.g. /usr/local/bin/nvcc) is only the last resort.
+NVCC="${NVCC:-}"
+for cand in "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" /usr/local/cuda/bin/nvcc "$(command -v nvcc || true)"; do
+  [[ -z "$NVCC" && -n "$cand" && -x "$cand" ]] && NVCC="$cand"
+done
 ARCHS="${CUDA_ARCHS:-80 90}"
 BUILD="${KVPAGE_CI_CUDA_BUILD:-0}"
 [[ "${1:-}" == "--build" ]] && BUILD=1
