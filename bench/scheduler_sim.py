@@ -1,6 +1,6 @@
 """Scheduler under memory pressure: victim policies x preemption modes on a ShareGPT-like workload.
 
-    PYTHONPATH=python python bench/scheduler_sim.py [--num-requests 600] [--rate 24] [--num-blocks 1024]
+    PYTHONPATH=python python bench/scheduler_sim.py [--num-requests 400] [--num-blocks 1024]
 
 No model runs: the real Scheduler and BlockManager make every decision, and a simulated clock
 advances by a stated cost per step. Pure Python and CPU only; prints a table and writes
@@ -11,10 +11,12 @@ lognormal(mu=ln 160, sigma=1.0) clipped to [4, 2048]; output lengths lognormal(m
 clipped to [4, 1024], generated in full (no eos). Random token ids, so prefix hits come only from a
 recompute-preempted request finding its own blocks still cached.
 
-Model and machine: the cost model's defaults (SmolLM2-135M, bf16 KV, H100-class: 100 TFLOP/s
-achievable, 25 GB/s host link, 20 us per transfer). One step costs
-    t = 2 ms fixed + 2 * n_params * batched_tokens / FLOP rate + sum(context_len) * kv_bytes_per_token / 3 TB/s
-    + for each swap direction used: blocks * block_size * kv_bytes_per_token / link + 20 us
+Models and machine (H100-class: 3 TB/s HBM, 25 GB/s host link, 20 us per transfer, bf16):
+SmolLM2-135M (the cost model's defaults, 100 TFLOP/s achievable, arrivals 150/s) and a
+Llama-3-8B shape (400 TFLOP/s achievable, arrivals 40/s). One step costs a roofline
+    t = 2 ms fixed + max(2 * n_params * batched_tokens / FLOP rate,
+                         (2 bytes * n_params + sum(context_len) * kv_bytes_per_token) / HBM bandwidth)
+      + for each swap direction used: blocks * block_size * kv_bytes_per_token / link + 20 us
 so recompute is paid as extra prefill tokens and swap as link time, both on the same clock.
 """
 from __future__ import annotations
@@ -35,6 +37,11 @@ STEP_FIXED_S = 2e-3
 HBM_BANDWIDTH = 3e12
 POLICIES = ("recent", "least_progress")
 MODES = ("swap", "recompute", None)  # None: the cost model picks per victim
+MODELS = {  # name: (cost model, default arrival rate that loads the pool)
+    "smollm2-135m": (PreemptionCostModel(), 150.0),
+    "llama3-8b": (PreemptionCostModel(kv_bytes_per_token=2 * 32 * 8 * 128 * 2, n_params=8e9, flops_per_s=400e12,
+                                      num_layers=32, hidden_size=4096), 40.0),
+}
 
 
 @dataclass
@@ -57,17 +64,17 @@ def make_workload(num_requests: int, rate: float, seed: int) -> Workload:
 
 
 def step_time(out, model: PreemptionCostModel, block_size: int) -> float:
-    t = STEP_FIXED_S + 2 * model.n_params * out.num_batched_tokens / model.flops_per_s
-    t += sum(s.context_len for s in out.scheduled) * model.kv_bytes_per_token / HBM_BANDWIDTH
+    compute = 2 * model.n_params * out.num_batched_tokens / model.flops_per_s
+    kv_bytes = sum(s.context_len for s in out.scheduled) * model.kv_bytes_per_token
+    t = STEP_FIXED_S + max(compute, (2 * model.n_params + kv_bytes) / HBM_BANDWIDTH)
     for pairs in (out.blocks_to_swap_out, out.blocks_to_swap_in):
         if pairs:  # half of swap_cost's round trip: one direction, one transfer
             t += model.swap_cost(len(pairs), block_size) / 2
     return t
 
 
-def simulate(work: Workload, policy: str, mode: str | None, num_blocks: int, num_host_blocks: int,
-             block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict:
-    model = PreemptionCostModel()
+def simulate(work: Workload, model: PreemptionCostModel, policy: str, mode: str | None, num_blocks: int,
+             num_host_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> dict:
     bm = BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks)
     sched = Scheduler(bm, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                       policy=policy, preemption_mode=mode, cost_model=model)
@@ -107,59 +114,65 @@ def _pct(sorted_values: list[float], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(p / 100 * len(sorted_values)))]
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(results: dict[str, list[dict]], path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"{r['policy']}\n{r['mode']}" for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = (("throughput_tok_s", "output tokens / s (sim)"), ("latency_p50_s", "p50 latency (s)"),
               ("latency_p99_s", "p99 latency (s)"))
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0" if "recent" in lab else "C1" for lab in labels])
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_title(title)
+    fig, axes = plt.subplots(len(results), 3, figsize=(15, 4.2 * len(results)), squeeze=False)
+    for row_axes, (name, rows) in zip(axes, results.items()):
+        labels = [f"{r['policy']}\n{r['mode']}" for r in rows]
+        for ax, (key, title) in zip(row_axes, panels):
+            ax.bar(range(len(rows)), [r[key] for r in rows],
+                   color=["C0" if "recent" in lab else "C1" if "least" in lab else "C7" for lab in labels])
+            ax.set_xticks(range(len(rows)), labels, fontsize=7)
+            ax.set_title(f"{name}: {title}")
     fig.suptitle("Scheduler under memory pressure: victim policy x preemption mode (ShareGPT-like, simulated)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=600)
-    parser.add_argument("--rate", type=float, default=24.0, help="Poisson arrival rate, requests/s")
+    parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--num-blocks", type=int, default=1024, help="device KV blocks (the pressure)")
     parser.add_argument("--num-host-blocks", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    work = make_workload(args.num_requests, args.rate, args.seed)
     common = dict(num_host_blocks=args.num_host_blocks, block_size=args.block_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    rows = [simulate(work, policy, mode, args.num_blocks, **common) for policy in POLICIES for mode in MODES]
-    # The same workload with 16x the memory: what pressure costs.
-    baseline = simulate(work, "recent", None, 16 * args.num_blocks, **common)
-    baseline["policy"], baseline["mode"] = "no-pressure", "-"
-    rows.append(baseline)
     columns = ["policy", "mode", "throughput_tok_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
                "preemptions", "swap", "recompute", "swapped_blocks", "prefix_hit_tokens"]
-    print_table(rows, columns)
-    model = PreemptionCostModel()
+    results, models = {}, {}
+    for name in args.models.split(","):
+        model, rate = MODELS[name]
+        work = make_workload(args.num_requests, rate, args.seed)
+        rows = [simulate(work, model, policy, mode, args.num_blocks, **common) for policy in POLICIES for mode in MODES]
+        baseline = simulate(work, model, "recent", None, 16 * args.num_blocks, **common)  # what pressure costs
+        baseline["policy"], baseline["mode"] = "16x-memory", "-"
+        rows.append(baseline)
+        print(f"\n{name}: {rate:g} requests/s, swap/recompute crossover at"
+              f" {model.crossover_tokens(args.block_size)} tokens")
+        print_table(rows, columns)
+        results[name] = rows
+        models[name] = {"arrival_rate": rate, "cost_model": vars(model),
+                        "swap_recompute_crossover_tokens": model.crossover_tokens(args.block_size)}
     payload = {
         "config": vars(args),
         "workload": {"prompt_len": "lognormal(ln 160, 1.0) clipped [4, 2048]",
-                     "output_len": "lognormal(ln 200, 0.8) clipped [4, 1024]", "arrivals": "Poisson",
-                     "mean_prompt": sum(map(len, work.prompts)) / len(work.prompts),
-                     "mean_output": sum(work.output_lens) / len(work.output_lens)},
-        "step_model": {"fixed_s": STEP_FIXED_S, "hbm_bytes_per_s": HBM_BANDWIDTH, "cost_model": vars(model),
-                       "swap_recompute_crossover_tokens": model.crossover_tokens(args.block_size)},
-        "results": rows,
+                     "output_len": "lognormal(ln 200, 0.8) clipped [4, 1024]", "arrivals": "Poisson"},
+        "step_model": {"fixed_s": STEP_FIXED_S, "hbm_bytes_per_s": HBM_BANDWIDTH, "weights_bytes_per_param": 2},
+        "models": models,
+        "results": results,
     }
     print(f"wrote {write_json('scheduler_sim', payload)}")
     png = RESULTS_DIR / "scheduler_sim.png"
-    plot(rows, png)
+    plot(results, png)
     print(f"wrote {png}")
 
 
