@@ -75,10 +75,93 @@ void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
-void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                    const CacheShape& cache, int64_t min_len) {
+CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_query(query, out, cache, key_cache);
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
   TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ",
                     block_tables.size(0), " rows but seq_lens has ", seq_lens.size(0), " entries");
+  return cache;
+}
+
+void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
+                  const CacheShape& cache) {
+  TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
+                    " tokens but seq_lens has ", seq_lens.size(0),
+                    " sequences (decode takes one query token per sequence)");
+  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size % cache.block_size == 0,
+                    "partition_size must be a non-negative multiple of block_size ", cache.block_size,
+                    ", got ", partition_size);
+}
+
+namespace {
+
+void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
+                       const CacheShape& cache) {
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == cache.num_kv_heads && t.size(2) == cache.head_size,
+                    name, " must be [num_tokens, ", cache.num_kv_heads, ", ", cache.head_size,
+                    "] to match the cache, got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == key_cache.scalar_type(), name, " dtype ", t.scalar_type(),
+                   " differs from the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == key_cache.device(), name, " must be on the cache's device");
+  TORCH_CHECK_VALUE(t.stride(2) == 1, name, " must be contiguous in its last dimension");
+}
+
+}  // namespace
+
+CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                             bool check_ranges) {
+  const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_token_input(key, "key", key_cache, cache);
+  check_token_input(value, "value", key_cache, cache);
+  TORCH_CHECK_VALUE(value.size(0) == key.size(0), "value has ", value.size(0), " tokens, key has ",
+                    key.size(0));
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+                    " entries for ", key.size(0), " tokens");
+  if (check_ranges) check_slot_mapping_range(slot_mapping, cache);
+  return cache;
+}
+
+int64_t check_layer_caches(at::TensorList key_caches, at::TensorList value_caches) {
+  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
+                    " layers but value_caches has ", value_caches.size());
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    check_kv_cache(key_caches[i], value_caches[i]);
+    TORCH_CHECK_VALUE(key_caches[i].sizes() == key_caches[0].sizes() &&
+                          key_caches[i].scalar_type() == key_caches[0].scalar_type() &&
+                          key_caches[i].device() == key_caches[0].device(),
+                      "key_caches[", i, "] differs from key_caches[0] in shape, dtype or device");
+  }
+  return key_caches.empty() ? 0 : key_caches[0].size(0);
+}
+
+std::pair<int64_t, int64_t> check_swap_pairs(at::TensorList src, at::TensorList dst) {
+  TORCH_CHECK_VALUE(src.size() == dst.size(), "src has ", src.size(), " tensors but dst has ",
+                    dst.size());
+  if (src.empty()) return {0, 0};
+  int64_t src_blocks = INT64_MAX, dst_blocks = INT64_MAX;
+  for (size_t i = 0; i < src.size(); ++i) {
+    TORCH_CHECK_VALUE(src[i].dim() >= 2 && dst[i].dim() == src[i].dim() &&
+                          src[i].sizes().slice(1) == dst[i].sizes().slice(1),
+                      "src[", i, "] ", src[i].sizes(), " and dst[", i, "] ", dst[i].sizes(),
+                      " must be [num_blocks, ...] with the same block shape");
+    TORCH_CHECK_TYPE(src[i].scalar_type() == dst[i].scalar_type(), "src[", i, "] dtype ",
+                     src[i].scalar_type(), " differs from dst[", i, "] dtype ", dst[i].scalar_type());
+    TORCH_CHECK_VALUE(src[i].is_contiguous() && dst[i].is_contiguous(), "src[", i, "] and dst[", i,
+                      "] must be contiguous");
+    src_blocks = std::min(src_blocks, src[i].size(0));
+    dst_blocks = std::min(dst_blocks, dst[i].size(0));
+  }
+  return {src_blocks, dst_blocks};
+}
+
+void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                    const CacheShape& cache, int64_t min_len) {
   const auto lens = seq_lens.cpu();
   const int32_t* l = lens.data_ptr<int32_t>();
   const int64_t capacity = block_tables.size(1) * cache.block_size;

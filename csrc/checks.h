@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <utility>
 #include <vector>
 
 namespace kvpage {
@@ -20,6 +21,32 @@ int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheS
 
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                         const at::Tensor& like);
+
+// Shapes, dtypes and devices of an attention call (no index data read); returns the cache shape.
+CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens);
+
+// Decode: one query token per sequence; partition_size 0 (auto) or a multiple of block_size.
+void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
+                  const CacheShape& cache);
+
+// reshape_and_cache's arguments; the slot range check (reads slot_mapping) when check_ranges.
+CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                             bool check_ranges);
+
+// copy_blocks' per-layer caches: all alike; returns num_blocks (0 for no layers).
+int64_t check_layer_caches(at::TensorList key_caches, at::TensorList value_caches);
+
+// swap_blocks' tensor pairs: same block shape and dtype, contiguous. Returns the fewest blocks
+// among src and among dst (what every mapping entry must stay below). Devices are the backend's.
+std::pair<int64_t, int64_t> check_swap_pairs(at::TensorList src, at::TensorList dst);
+
+// Bytes of one block of a cache-like tensor [num_blocks, ...].
+inline int64_t block_bytes(const at::Tensor& t) {
+  return t.size(0) == 0 ? 0 : t.numel() / t.size(0) * t.element_size();
+}
 
 // seq_lens in [min_len, what one block_tables row can hold]; always on (it guards the table read).
 void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,

@@ -41,10 +41,7 @@ AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tens
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
-  const CacheShape cache = check_kv_cache(key_cache, value_cache);
-  check_query(query, out, cache, key_cache);
-  check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
-  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens);
   check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
   if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache);
   return cache;
@@ -93,12 +90,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      bool check_ranges) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges);
-  TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
-                    " tokens but seq_lens has ", seq_lens.size(0),
-                    " sequences (decode takes one query token per sequence)");
-  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size % cache.block_size == 0,
-                    "partition_size must be a non-negative multiple of block_size ", cache.block_size,
-                    ", got ", partition_size);
+  check_decode(query, seq_lens, partition_size, cache);
   if (query.size(0) == 0) return;
   const AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
 

@@ -27,12 +27,7 @@ constexpr int64_t kSinglePassCtasPerSm = 8;
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
-  const CacheShape cache = check_kv_cache(key_cache, value_cache);
-  check_query(query, out, cache, key_cache);
-  check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
-  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
-  TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ", block_tables.size(0),
-                    " rows but seq_lens has ", seq_lens.size(0), " entries");
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
                     "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
   as_int(cache.num_blocks, "key_cache.size(0)");
@@ -75,12 +70,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      bool check_ranges) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges);
-  TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
-                    " tokens but seq_lens has ", seq_lens.size(0),
-                    " sequences (decode takes one query token per sequence)");
-  TORCH_CHECK_VALUE(partition_size >= 0 && partition_size % cache.block_size == 0,
-                    "partition_size must be a non-negative multiple of block_size ", cache.block_size,
-                    ", got ", partition_size);
+  check_decode(query, seq_lens, partition_size, cache);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);

@@ -15,21 +15,6 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
-                       const CacheShape& cache) {
-  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == cache.num_kv_heads && t.size(2) == cache.head_size,
-                    name, " must be [num_tokens, ", cache.num_kv_heads, ", ", cache.head_size,
-                    "] to match the cache, got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == key_cache.scalar_type(), name, " dtype ", t.scalar_type(),
-                   " differs from the cache dtype ", key_cache.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == key_cache.device(), name, " must be on the cache's device");
-  TORCH_CHECK_VALUE(t.stride(2) == 1, name, " must be contiguous in its last dimension");
-}
-
-int64_t block_bytes(const at::Tensor& t) {
-  return t.size(0) == 0 ? 0 : t.numel() / t.size(0) * t.element_size();
-}
-
 // A tensor's address as the device sees it: device memory as is, pinned host memory through its
 // mapping (with unified addressing the same value). 0 when the host memory is not mapped.
 int64_t device_address(const at::Tensor& t) {
@@ -63,17 +48,10 @@ void run_block_copy(std::vector<int64_t>& words, int num_tensors, const at::Tens
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges) {
-  const CacheShape cache = check_kv_cache(key_cache, value_cache);
-  check_token_input(key, "key", key_cache, cache);
-  check_token_input(value, "value", key_cache, cache);
-  TORCH_CHECK_VALUE(value.size(0) == key.size(0), "value has ", value.size(0), " tokens, key has ",
-                    key.size(0));
-  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache);
-  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
-                    " entries for ", key.size(0), " tokens");
+  // The slot range check copies slot_mapping to the host: the documented sync.
+  const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges);
   TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
                     "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
-  if (check_ranges) check_slot_mapping_range(slot_mapping, cache);  // host copy: documented sync
   if (key.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
 
@@ -96,19 +74,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                  const at::Tensor& block_mapping, bool check_ranges) {
-  TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
-                    " layers but value_caches has ", value_caches.size());
-  if (key_caches.empty()) return check_block_mapping(block_mapping, 0, 0, false, false);
-  for (size_t i = 0; i < key_caches.size(); ++i) {
-    check_kv_cache(key_caches[i], value_caches[i]);
-    TORCH_CHECK_VALUE(key_caches[i].sizes() == key_caches[0].sizes() &&
-                          key_caches[i].scalar_type() == key_caches[0].scalar_type() &&
-                          key_caches[i].device() == key_caches[0].device(),
-                      "key_caches[", i, "] differs from key_caches[0] in shape, dtype or device");
-  }
+  const int64_t num_blocks = check_layer_caches(key_caches, value_caches);
+  // block_mapping is CPU data: checking it never syncs.
+  check_block_mapping(block_mapping, num_blocks, num_blocks, check_ranges && num_blocks > 0, true);
+  if (key_caches.empty()) return;
   TORCH_CHECK_VALUE(key_caches[0].is_cuda(), "key_caches must be CUDA tensors in a CUDA copy_blocks");
-  const int64_t num_blocks = key_caches[0].size(0);
-  check_block_mapping(block_mapping, num_blocks, num_blocks, check_ranges, true);  // CPU data: no sync
   if (block_mapping.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(key_caches[0].device());
 
@@ -128,19 +98,9 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
 
 void swap_blocks(at::TensorList src, at::TensorList dst, const at::Tensor& block_mapping,
                  bool check_ranges) {
-  TORCH_CHECK_VALUE(src.size() == dst.size(), "src has ", src.size(), " tensors but dst has ",
-                    dst.size());
-  int64_t src_blocks = INT64_MAX, dst_blocks = INT64_MAX;
+  const auto [src_blocks, dst_blocks] = check_swap_pairs(src, dst);
   c10::optional<at::Device> device;
   for (size_t i = 0; i < src.size(); ++i) {
-    TORCH_CHECK_VALUE(src[i].dim() >= 2 && dst[i].dim() == src[i].dim() &&
-                          src[i].sizes().slice(1) == dst[i].sizes().slice(1),
-                      "src[", i, "] ", src[i].sizes(), " and dst[", i, "] ", dst[i].sizes(),
-                      " must be [num_blocks, ...] with the same block shape");
-    TORCH_CHECK_TYPE(src[i].scalar_type() == dst[i].scalar_type(), "src[", i, "] dtype ",
-                     src[i].scalar_type(), " differs from dst[", i, "] dtype ", dst[i].scalar_type());
-    TORCH_CHECK_VALUE(src[i].is_contiguous() && dst[i].is_contiguous(), "src[", i, "] and dst[", i,
-                      "] must be contiguous");
     for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{src[i], "src"}, {dst[i], "dst"}}) {
       if (t.is_cuda()) {
         if (!device) device = t.device();
@@ -152,10 +112,7 @@ void swap_blocks(at::TensorList src, at::TensorList dst, const at::Tensor& block
                           "with pin_memory=True)");
       }
     }
-    src_blocks = std::min(src_blocks, src[i].size(0));
-    dst_blocks = std::min(dst_blocks, dst[i].size(0));
   }
-  if (src.empty()) src_blocks = dst_blocks = 0;
   check_block_mapping(block_mapping, src_blocks, dst_blocks, check_ranges, false);  // CPU data: no sync
   if (src.empty() || block_mapping.size(0) == 0) return;
   TORCH_CHECK_VALUE(device.has_value(), "swap_blocks on CUDA needs a CUDA tensor in src or dst");
