@@ -65,13 +65,25 @@ struct KVSource {
   const int32_t* table;  // this sequence's block_tables row
   int64_t kv_head;
 
+  const char* tile_address(const void* cache, int64_t b) const {
+    const int64_t offset = ((int64_t(table[b]) * a.num_kv_heads + kv_head) * a.block_size) * a.head_size;
+    return static_cast<const char*>(cache) + offset * element_size(a.dtype);
+  }
+
   // Pointer to a [n, head_size] fp32 view of K or V for logical block b; 16-bit caches convert into buf.
   const float* tile(const void* cache, int64_t b, int64_t n, float* buf) const {
-    const int64_t offset = ((int64_t(table[b]) * a.num_kv_heads + kv_head) * a.block_size) * a.head_size;
-    const char* base = static_cast<const char*>(cache) + offset * element_size(a.dtype);
+    const char* base = tile_address(cache, b);
     if (a.dtype == DType::kFloat) return reinterpret_cast<const float*>(base);
     load_as_float(a.dtype, base, buf, n * a.head_size);
     return buf;
+  }
+
+  // Tiles sit at random places in the pool, so the hardware prefetcher, which follows streams
+  // within a page, cannot see the next one coming: ask for it while this one is being used.
+  void prefetch(const void* cache, int64_t b, int64_t n) const {
+    const char* base = tile_address(cache, b);
+    const int64_t bytes = n * a.head_size * element_size(a.dtype);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
   }
 };
 
@@ -112,6 +124,8 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
     const int64_t n = imin(chunk, end - c0);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
+      if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
+      kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
       const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
       block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
       for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
@@ -120,8 +134,11 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
       }
     }
     softmax_step(rs, chunk, n, d, s);
+    const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0);
+      if (t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
+        kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
       block_values(s.acc, rs.rows, d, s.score + t0, chunk, v, nb);
     }
