@@ -53,12 +53,14 @@ inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, fl
 }
 
 // Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. Three-row
-// blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16 registers.
+// blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16 registers;
+// four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
 inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                          int64_t s_stride) {
   int64_t r = 0;
-  for (; r + 3 <= rows; r += 3) scores_rows<3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
-  for (; r < rows; ++r) scores_rows<1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  for (; rows - r >= 3 && rows - r != 4; r += 3) scores_rows<3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  for (; rows - r >= 2; r += 2) scores_rows<2>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  if (r < rows) scores_rows<1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
 
 // acc[r][i..i+W) += sum_t p[r][t] v[t][i..i+W) for R rows, W = 8 * L lanes held in registers.
@@ -90,8 +92,8 @@ inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride,
 inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   int64_t r = 0;
-  for (; r + 3 <= rows; r += 3) values_rows<3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-  for (; r + 2 <= rows; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  for (; rows - r >= 3 && rows - r != 4; r += 3) values_rows<3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  for (; rows - r >= 2; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
   if (r < rows) values_rows<1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
 }
 
