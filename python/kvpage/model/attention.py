@@ -1,0 +1,97 @@
+"""The "kvpage" attention function for transformers' AttentionInterface.
+
+Any model whose attention layers dispatch through `ALL_ATTENTION_FUNCTIONS` (Llama, Qwen2, Mistral,
+...) runs on the paged cache unmodified: each layer hands us its projected, rotated query/key/value
+for the step's flat batch; we write the new K/V into the paged cache by slot mapping and attend over
+the cache with the paged kernels, reading block tables and lengths from the forward context.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvpage import ops
+
+from .metadata import AttentionMetadata, get_forward_context
+
+ATTN_IMPLEMENTATION = "kvpage"
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def paged_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+                            scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Write this step's K/V, then attend: the model-independent core (also for a PagedCache).
+
+    query [T, num_heads, D], key/value [T, num_kv_heads, D] (strided views are fine); returns
+    out [T, num_heads, D].
+    """
+    ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    if metadata.is_all_decode:
+        # One query token per sequence: the decode kernel spreads long contexts over partitions,
+        # which the varlen kernel does not.
+        return ops.paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                   scale=scale, out=out)
+    return ops.paged_prefill_attention(query, key_cache, value_cache, metadata.block_tables,
+                                       metadata.query_start_loc, metadata.seq_lens, scale=scale, out=out)
+
+
+def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF signature: query [1, num_heads, T, D], key/value [1, num_kv_heads, T, D] (batch 1: the runner's
+    flat batch). Returns ([1, T, num_heads, D], None), the layout of transformers' sdpa_attention_forward."""
+    if query.shape[0] != 1:
+        raise ValueError(f"kvpage attention takes one flat batch of packed sequences (batch size 1),"
+                         f" got query of shape {tuple(query.shape)}")
+    if dropout:
+        raise ValueError(f"kvpage attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("kvpage attention does not support attention logit softcapping")
+    context = get_forward_context()
+    window = kwargs.get("sliding_window")
+    # A window no sequence outgrows is full causal attention (Mistral's 4096 default, say).
+    if window is not None and context.attn_metadata.max_seq_len > window:
+        raise NotImplementedError(f"kvpage attention has no sliding window: a sequence of"
+                                  f" {context.attn_metadata.max_seq_len} tokens exceeds this layer's {window}")
+    key_cache, value_cache = context.kv_caches[module.layer_idx]
+    num_tokens, num_heads, head_size = query.shape[2], query.shape[1], query.shape[3]
+    # HF reshapes our output to [1, T, hidden] next: writing the kernel's [T, H, D] result straight
+    # into a [1, T, H, D] buffer makes that reshape free.
+    out = query.new_empty((1, num_tokens, num_heads, head_size))
+    paged_attention_forward(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                            key_cache, value_cache, context.attn_metadata, scale=scaling, out=out[0])
+    return out, None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Causality and sequence boundaries come from query_start_loc and seq_lens, so HF must not
+    build an O(T^2) mask over the packed batch."""
+    return None
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def validate_config(config, dtype: torch.dtype) -> None:
+    """Raise ValueError for a model or cache dtype the paged kernels cannot serve (at start-up,
+    rather than from inside the first forward pass)."""
+    head_size = head_dim_of(config)
+    if head_size % 16 or head_size > 256:
+        raise ValueError(f"kvpage attention needs head_size to be a multiple of 16 up to 256;"
+                         f" this model's head_dim is {head_size}")
+    num_heads, num_kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if num_kv_heads and num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype}")
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvpage_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+register()

@@ -1,0 +1,85 @@
+"""One step's paged-attention metadata, and the forward context that hands it to every attention layer.
+
+HF calls the attention function once per layer with only (module, query, key, value, mask, ...), so
+the step's block tables and slot mapping cannot travel as arguments: the runner sets them here around
+the forward pass, and the attention function reads them (as vLLM's and nano-vllm's forward context).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch's layout: T tokens of num_seqs sequences, packed back to back without padding."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token (-1: don't write)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]: padded with 0 past each table's end
+    seq_lens: torch.Tensor  # int32 [num_seqs]: cached context + this step's tokens
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: sequence s owns tokens [qsl[s], qsl[s + 1])
+    max_query_len: int  # the longest sequence's share of this step's tokens
+    max_seq_len: int  # the longest seq_lens entry (kept as an int: reading the tensor would sync)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def is_all_decode(self) -> bool:
+        """Every sequence brings exactly one token: the decode kernel applies."""
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              slot_mapping: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """From per-sequence Python lists (one torch.tensor each: cheap next to the forward pass)."""
+        width = max((len(t) for t in block_tables), default=0) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[KVCache]  # indexed by the attention module's layer_idx
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("the 'kvpage' attention ran outside a kvpage step: run the model through"
+                           " kvpage.model.ModelRunner.execute (or inside kvpage.model.set_forward_context)")
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata, kv_caches: list[KVCache]):
+    """Make this step's metadata and caches visible to the attention layers of a forward pass."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous

@@ -1,0 +1,171 @@
+"""The model runner: executes one scheduler step on the paged KV cache.
+
+A step is swap-out, swap-in, copy-on-write copies, then ONE forward pass over every scheduled token of
+every sequence packed back to back (no padding). Each attention layer writes its new K/V by slot mapping
+and attends over the paged cache (see attention.py); logits are computed only for the rows sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpage import ops
+
+from .attention import head_dim_of, validate_config
+from .loader import set_kvpage_attention
+from .metadata import AttentionMetadata, KVCache, set_forward_context
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's share of the step: tokens at positions [start, start + len(token_ids)).
+
+    Same field names as kvpage.core.ScheduledSequence, so a SchedulerOutput runs as it is.
+    """
+
+    token_ids: list[int]
+    start: int  # = num_computed_tokens: K/V of positions < start are already in the cache
+    block_table: list[int]
+    slot_mapping: list[int]  # cache slot of each new token (BlockManager.slot_mapping)
+    do_sample: bool = True  # return logits for the last of token_ids
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class ModelInput:
+    """One step's work, in SchedulerOutput's names (which is accepted in its place)."""
+
+    scheduled: list[SequenceInput] = field(default_factory=list)
+    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
+    blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst) on the device
+
+
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_layer = 2 * num_kv_heads * block_size * head_dim_of(config) * dtype.itemsize
+    return per_layer * config.num_hidden_layers
+
+
+def num_blocks_for_memory(config, gib: float, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks fit in `gib` GiB of KV cache."""
+    return int(gib * 2**30) // kv_cache_bytes_per_block(config, block_size, dtype)
+
+
+class ModelRunner:
+    """Owns the paged KV cache (device pool, plus a host pool for swapping) and runs steps on a HF model.
+
+    The model's attention is switched to "kvpage" in place: its forward pass then only works inside
+    a step (the attention layers need the step's block tables).
+    """
+
+    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
+                 num_host_blocks: int = 0) -> None:
+        config = model.config
+        self.dtype = dtype or model.dtype
+        validate_config(config, self.dtype)
+        if model.dtype != self.dtype:
+            # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
+            raise ValueError(f"dtype {self.dtype} must equal the model's dtype {model.dtype}"
+                             f" (convert the model with model.to({self.dtype}))")
+        set_kvpage_attention(model)
+        self.model = model.eval()
+        self.config = config
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        self.num_kv_blocks = num_kv_blocks
+        self.num_host_blocks = num_host_blocks
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.kv_caches: list[KVCache] = self._allocate(num_kv_blocks, self.device)
+        self.host_kv_caches: list[KVCache] = self._allocate(num_host_blocks, "cpu") if num_host_blocks else []
+        if self.device.type == "cuda" and self.host_kv_caches:
+            # Pinned host memory lets swaps run as asynchronous DMA instead of pageable copies.
+            self.host_kv_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv_caches]
+
+    def _allocate(self, num_blocks: int, device) -> list[KVCache]:
+        return [ops.allocate_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                      dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    def num_blocks_for_memory(self, gib: float) -> int:
+        return num_blocks_for_memory(self.config, gib, self.block_size, self.dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """Run a step; float32 logits [num sequences with do_sample, vocab], in batch order."""
+        self._move_blocks(batch)
+        seqs = batch.scheduled
+        if not seqs:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        input_ids, positions, metadata, sample_rows = self._prepare(seqs)
+        with set_forward_context(metadata, self.kv_caches):
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=positions,
+                                           use_cache=False).last_hidden_state
+        if not sample_rows:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        # Only the sampled rows go through the vocab projection: [num_sampled, vocab], not [T, vocab].
+        rows = hidden[0].index_select(0, torch.tensor(sample_rows, device=self.device))
+        return self.model.get_output_embeddings()(rows).float()
+
+    def _move_blocks(self, batch: ModelInput) -> None:
+        """Swap out, then in (a block freed by a swap-out may be reused this step), then copy-on-write."""
+        if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
+            if not self.host_kv_caches:
+                raise ValueError("this step swaps blocks, but the runner has no host cache (num_host_blocks=0)")
+            device, host = _flat(self.kv_caches), _flat(self.host_kv_caches)
+            if batch.blocks_to_swap_out:
+                ops.swap_blocks(device, host, batch.blocks_to_swap_out)
+            if batch.blocks_to_swap_in:
+                ops.swap_blocks(host, device, batch.blocks_to_swap_in)
+        if batch.blocks_to_copy:
+            keys, values = zip(*self.kv_caches)
+            ops.copy_blocks(list(keys), list(values), batch.blocks_to_copy)
+
+    def _prepare(self, seqs: list[SequenceInput]):
+        """Flatten the step into input_ids/positions [1, T] and the attention metadata."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens, seq_lens, block_tables, sample_rows = [], [], [], []
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if n == 0 or len(seq.slot_mapping) != n or seq.start < 0:
+                raise ValueError(f"each scheduled sequence needs >= 1 token, one slot per token and start >= 0;"
+                                 f" got {n} tokens, {len(seq.slot_mapping)} slots, start={seq.start}")
+            if seq.start + n > len(seq.block_table) * self.block_size:
+                raise ValueError(f"block_table of {len(seq.block_table)} blocks cannot hold {seq.start + n} tokens")
+            token_ids += seq.token_ids
+            positions += range(seq.start, seq.start + n)
+            slot_mapping += seq.slot_mapping
+            query_lens.append(n)
+            seq_lens.append(seq.start + n)
+            block_tables.append(seq.block_table)
+            if seq.do_sample:
+                sample_rows.append(len(token_ids) - 1)
+        device = self.device
+        metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, device)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device).unsqueeze(0)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0)
+        return input_ids, position_ids, metadata, sample_rows
+
+
+def _flat(kv_caches: list[KVCache]) -> list[torch.Tensor]:
+    """[k0, v0, k1, v1, ...]: swap_blocks moves every layer's K and V in one call."""
+    return [t for kv in kv_caches for t in kv]

