@@ -5,10 +5,15 @@ __version__ = "0.1.0"
 
 # Submodules load on first use, so the pure-Python bookkeeping (kvpage.core) imports
 # without the compiled extension, and `import kvpage` stays cheap.
-_LAZY_SUBMODULES = ("ops", "core")
+_LAZY_SUBMODULES = ("ops", "core", "engine", "model")
+# The public engine API, importable as kvpage.LLM etc.; torch and transformers load on first access.
+_ENGINE_EXPORTS = ("LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput")
+__all__ = list(_ENGINE_EXPORTS) + list(_LAZY_SUBMODULES)
 
 
 def __getattr__(name):
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"kvpage.{name}")
+    if name in _ENGINE_EXPORTS:
+        return getattr(importlib.import_module("kvpage.engine"), name)
     raise AttributeError(f"module 'kvpage' has no attribute {name!r}")

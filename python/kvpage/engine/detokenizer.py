@@ -1,0 +1,45 @@
+"""Incremental detokenization and stop strings, for streaming and for requests with `stop`.
+
+Decoding a window of recent tokens rather than the whole output keeps each step O(1) per sequence;
+the window starts a few tokens back (prefix_offset) so that tokenizers which treat a leading token
+specially (SentencePiece's dropped space) and multi-token UTF-8 characters come out right, as in
+vLLM's detokenize_incrementally. Requests that neither stream nor stop on strings skip all this and
+are decoded once when they finish.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class IncrementalDetokenizer:
+    prompt_len: int
+    text: str = ""
+    prefix_offset: int = 0  # into the output tokens: where the decode window starts
+    read_offset: int = 0  # output tokens already turned into text
+
+    def update(self, tokenizer, token_ids: list[int]) -> str:
+        """Append the text of the output tokens added since the last call; returns the new text."""
+        out = token_ids[self.prompt_len:]
+        if len(out) <= self.read_offset:
+            return ""
+        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character: wait for its next byte-token
+        new = full[len(prefix):]
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, len(out)
+        return new
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> int:
+    """Index in `text` where the earliest stop string begins, looking only where the last `new_len`
+    characters could complete one; -1 if none."""
+    best = -1
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        i = text.find(stop, start)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best

@@ -1,0 +1,206 @@
+"""kvpage.LLM: the offline entry point (vLLM's `LLM`): load a model, size the KV cache, generate."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from .llm_engine import EngineConfig, LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("kvpage")
+
+# KV-cache budget when num_kv_blocks is not given. CPU: a fixed 1 GiB (about 23k tokens of the default
+# model in fp32; the pool is zero-filled up front, so it is real memory). GPU: half the memory free
+# after the model is loaded, leaving the rest for activations.
+CPU_KV_CACHE_GIB = 1.0
+GPU_KV_CACHE_FRACTION = 0.5
+# Host pool for swap preemption when swap_space_gib is None (vLLM's default is 4 GiB per GPU).
+DEFAULT_SWAP_SPACE_GIB = 0.5
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16}
+
+
+class LLM:
+    def __init__(self, model=None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, preemption_mode: str | None = None,
+                 swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int = 0,
+                 tokenizer=None) -> None:
+        if tensor_parallel_size != 1:
+            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not"
+                                      " available yet (kvpage.distributed, a separate issue); use 1")
+        _check_optional_positive("num_kv_blocks", num_kv_blocks)
+        _check_optional_positive("max_num_batched_tokens", max_num_batched_tokens)
+        _check_optional_positive("max_num_seqs", max_num_seqs)
+        if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float)) and swap_space_gib >= 0):
+            raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
+        from kvpage.model import ModelRunner, load_model  # torch + transformers: only when an LLM is built
+
+        self.model, loaded_tokenizer = load_model(model, dtype=_resolve_dtype(dtype))
+        self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        config = self.model.config
+        num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
+        num_host_blocks = 0
+        if preemption_mode != "recompute":
+            gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
+            num_host_blocks = _blocks_for(config, gib, block_size, self.model.dtype)
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks)
+        self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
+            num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            max_model_len=getattr(config, "max_position_embeddings", None), preemption_mode=preemption_mode,
+            eos_token_ids=_eos_token_ids(self.model, self.tokenizer), seed=seed))
+        logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
+                    " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
+                    num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
+        self._counter = itertools.count()
+
+    def _blocks_for_budget(self, block_size: int) -> int:
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            gib = GPU_KV_CACHE_FRACTION * free / 2**30
+        else:
+            gib = CPU_KV_CACHE_GIB
+        return _blocks_for(self.model.config, gib, block_size, self.model.dtype)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Every prompt is checked before anything runs: a bad
+        SamplingParams or a prompt too long for the model or the cache raises ValueError naming the
+        prompt's index (vLLM's behaviour), and the engine stays usable."""
+        prompts = _normalise_prompts(prompts)
+        params = _per_prompt_params(sampling_params, len(prompts))
+        return self._run([(p, None, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                    chat_template=chat_template) for c in conversations]
+        # The template already wrote the special tokens, so encode without adding them again.
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        params = _per_prompt_params(sampling_params, len(texts))
+        return self._run(list(zip(texts, ids, params)), use_tqdm)
+
+    def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        beams = {i for i, (_, _, sp) in enumerate(items) if sp.use_beam_search}
+        ids = self._add_all([item for i, item in enumerate(items) if i not in beams])
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        start, generated = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        if bar is not None:
+            bar.close()
+        ordered, it = [], iter(ids)
+        for i, (prompt, token_ids, sp) in enumerate(items):
+            if i in beams:
+                from .beam_search import beam_search
+                ordered.append(beam_search(self, prompt, token_ids, sp, request_id=str(next(self._counter))))
+            else:
+                ordered.append(results[next(it)])
+        return ordered
+
+    def _add_all(self, items: list) -> list[str]:
+        """Queue every request, or none: on the first that cannot run, withdraw the others and raise."""
+        ids = []
+        for index, (prompt, token_ids, sp) in enumerate(items):
+            rid = str(next(self._counter))
+            try:
+                self.llm_engine.add_request(rid, prompt, sp, prompt_token_ids=token_ids, stream=False)
+            except (ValueError, TypeError) as e:
+                self.llm_engine.abort_request(ids)
+                raise type(e)(f"prompt {index}: {e}") from e
+            ids.append(rid)
+        return ids
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()
+
+
+def _check_optional_positive(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _resolve_dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype must be None, a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def _blocks_for(config, gib: float, block_size: int, dtype) -> int:
+    from kvpage.model import num_blocks_for_memory
+    return num_blocks_for_memory(config, gib, block_size, dtype)
+
+
+def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The generation config's eos ids (HF generate stops on all of them), else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _normalise_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # a single prompt of token ids
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+    return list(prompts)
+
+
+def _per_prompt_params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        return list(sampling_params)
+    raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+def _progress(total: int, use_tqdm: bool):
+    if not use_tqdm or total == 0:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

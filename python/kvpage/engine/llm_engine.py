@@ -1,0 +1,254 @@
+"""LLMEngine: requests in, one scheduler step -> one forward pass -> sampled tokens, RequestOutputs out.
+
+The engine owns no KV bookkeeping: the scheduler (kvpage.core) decides each step and the runner
+(kvpage.model, or any object with `execute(scheduler_output) -> logits`) carries it out. What is left
+here is the per-request view: sampling parameters, log-probabilities, text and stop strings.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
+
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import Sampler, SampleRow
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    num_kv_blocks: int
+    block_size: int = 16
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    preemption_mode: str | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the first is the scheduler's eos; the rest stop like it
+    seed: int = 0
+
+
+@dataclass
+class _Sample:
+    cumulative_logprob: float = 0.0
+    detok: IncrementalDetokenizer | None = None
+
+
+@dataclass
+class _RequestState:
+    request: Request  # the scheduler's: its sequences hold the token ids
+    prompt: str | None
+    params: SamplingParams
+    stream: bool
+    samples: list[_Sample]
+    index_of: dict[int, int]  # seq_id -> sample index (the order of the request's sequences)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def needs_detok(self) -> bool:
+        return self.stream or bool(self.params.stop)
+
+
+class LLMEngine:
+    def __init__(self, runner, tokenizer, config: EngineConfig) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          num_host_blocks=config.num_host_blocks,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                                   preemption_mode=config.preemption_mode)
+        self.sampler = Sampler(config.seed)
+        self._states: dict[str, _RequestState] = {}
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.max_kv_blocks_used = 0
+        self._idle_steps = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                    *, prompt_token_ids: list[int] | None = None, stream: bool = True) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run: too long for
+        the model (max_model_len) or for the whole KV cache, as vLLM's add_request does.
+        stream=False: step() reports it only once finished, and its text is decoded once at the end."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.use_beam_search:
+            raise ValueError("beam_width > 1 runs through LLM.generate (kvpage.engine.beam_search), not add_request")
+        if prompt_token_ids is not None:  # already tokenised (chat templates); prompt is just the text
+            text, token_ids = prompt, self._tokenize(list(prompt_token_ids))[1]
+        else:
+            text, token_ids = self._tokenize(prompt)
+        eos, *more_eos = self.config.eos_token_ids or (None,)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
+        request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
+                                             eos_token_id=eos, stop_token_ids=stop_ids,
+                                             ignore_eos=params.ignore_eos)
+        state = _RequestState(request, text, params, stream, [_Sample() for _ in range(params.n)],
+                              {request.seqs[0].seq_id: 0})
+        if state.needs_detok:
+            for sample in state.samples:
+                sample.detok = IncrementalDetokenizer(len(token_ids))
+        self._states[request_id] = state
+        self.num_prompt_tokens += len(token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt must be a string or a non-empty list of int token ids")
+        vocab = getattr(self.runner, "vocab_size", None)
+        if min(token_ids) < 0 or (vocab is not None and max(token_ids) >= vocab):
+            raise ValueError(f"prompt token ids must lie in [0, vocab_size={vocab}),"
+                             f" got {min(token_ids)}..{max(token_ids)}")
+        return None, token_ids
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self._states.pop(rid, None) is not None:
+                self.scheduler.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of streaming requests that advanced, and of every
+        request that finished (its final output)."""
+        out = self.scheduler.schedule()
+        self.num_steps += 1
+        self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
+        self._check_progress(out)
+        rows = [s for s in out.scheduled if s.do_sample]
+        sampled = {}
+        if not out.is_empty:
+            sampled = self._sample(rows, self.runner.execute(out))
+        self.scheduler.update_from_output(out, sampled)
+        return self._process(rows)
+
+    def _check_progress(self, out: SchedulerOutput) -> None:
+        self._idle_steps = 0 if not out.is_empty else self._idle_steps + 1
+        if self._idle_steps > 2 and self.has_unfinished_requests():
+            raise RuntimeError("the scheduler made no progress in 3 steps with requests pending"
+                               f" ({self.scheduler.stats()}); this is a bug")
+
+    def _sample(self, rows, logits) -> dict[int, int | list[int]]:
+        sample_rows = []
+        for s in rows:
+            state = self._states[s.request_id]
+            index = 0 if s.num_samples > 1 else state.index_of[s.seq_id]
+            position = s.context_len - state.request.num_prompt_tokens
+            sample_rows.append(SampleRow(state.params, s.num_samples, index, position))
+        result = self.sampler(logits, sample_rows)
+        now = time.perf_counter()
+        sampled = {}
+        for s, row, tokens, logprobs in zip(rows, sample_rows, result.tokens, result.logprobs):
+            state = self._states[s.request_id]
+            if state.first_token_time is None:
+                state.first_token_time = now
+            for k, lp in enumerate(logprobs):
+                state.samples[row.sample_index + k].cumulative_logprob += lp
+            sampled[s.seq_id] = tokens if s.num_samples > 1 else tokens[0]
+            self.num_generation_tokens += len(tokens)
+        return sampled
+
+    def _process(self, rows) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        for s in rows:
+            state = self._states.get(s.request_id)
+            if state is None:
+                continue
+            if s.num_samples > 1:  # the scheduler just forked the samples, in order
+                state.index_of = {seq.seq_id: i for i, seq in enumerate(state.request.seqs)}
+            touched[s.request_id] = state
+        outputs = []
+        for rid, state in touched.items():
+            if state.needs_detok:
+                self._detokenize(state)
+            finished = state.request.status.is_finished
+            if finished or state.stream:
+                outputs.append(self._make_output(state, finished))
+            if finished:
+                del self._states[rid]
+        return outputs
+
+    # -- text ----------------------------------------------------------------------------------
+
+    def _detokenize(self, state: _RequestState) -> None:
+        stops = state.params.stop
+        for seq, sample in zip(state.request.seqs, state.samples):
+            new = sample.detok.update(self.tokenizer, seq.token_ids)
+            if not (new and stops):
+                continue
+            cut = find_stop(sample.detok.text, len(new), stops)
+            if cut >= 0:
+                sample.detok.text = sample.detok.text[:cut]
+                self._finish_sequence(state.request, seq)
+
+    def _finish_sequence(self, request: Request, seq) -> None:
+        """Stop one sequence on a stop string: the scheduler only knows token-id stops.
+        (A scheduler-side finish_sequence(seq_id, reason) would make this two lines.)"""
+        already = seq.seq_id in request.finish_reasons
+        request.finish_reasons[seq.seq_id] = FinishReason.STOP
+        if already:
+            return
+        self.block_manager.free(seq)
+        if not request.live_seqs():
+            self.scheduler.abort_request(request.request_id)  # no live sequence: just finalises it
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        request = state.request
+        completions = []
+        for i, (seq, sample) in enumerate(zip(request.seqs, state.samples)):
+            token_ids = seq.output_token_ids
+            reason = request.finish_reasons.get(seq.seq_id)
+            if sample.detok is not None:
+                text = sample.detok.text
+            elif self.tokenizer is not None and finished:
+                text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            else:
+                text = ""
+            completions.append(CompletionOutput(i, text, list(token_ids), reason.value if reason else None,
+                                                sample.cumulative_logprob))
+        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
+        if state.first_token_time is not None:
+            metrics["ttft"] = state.first_token_time - state.arrival_time
+        return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, completions,
+                             finished, metrics)
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        b = s.blocks
+        return {
+            "num_kv_blocks": b.num_blocks, "block_size": self.config.block_size,
+            "kv_blocks_used": b.num_used_blocks, "max_kv_blocks_used": self.max_kv_blocks_used,
+            "kv_blocks_cached": b.num_cached_blocks, "num_host_blocks": b.num_host_blocks,
+            "prefix_cache_queried_tokens": b.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": b.prefix_cache_hit_tokens, "prefix_cache_hit_rate": b.prefix_cache_hit_rate,
+            "num_preemptions": s.num_preemptions, "num_swap_preemptions": s.num_swap_preemptions,
+            "num_recompute_preemptions": s.num_recompute_preemptions,
+            "num_swapped_out_blocks": b.num_swapped_out_blocks, "num_swapped_in_blocks": b.num_swapped_in_blocks,
+            "num_copy_on_write": b.num_copy_on_write, "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_swapped": s.num_swapped, "num_finished": s.num_finished, "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
+        }

@@ -1,0 +1,126 @@
+"""Turns one step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Everything that can be is done on the whole batch at once (one argmax, one log-softmax, one sort for
+the rows that filter); only seeded rows draw their noise one by one, from their own generator.
+Sampling uses the exponential race (argmax of probs / Exp(1) noise, as vLLM does): one draw per
+vocabulary entry from a generator, so a seeded row's token depends on nothing but its seed, its
+sample index, its position and its logits, never on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+def seed_key(seed: int, sample_index: int, position: int) -> int:
+    """A generator seed for one draw (splitmix64 finaliser): the stream does not depend on how many
+    draws other rows made, or on preemption replaying this sequence's prefill."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK64
+
+
+@dataclass
+class SampleRow:
+    """One logits row: draw num_samples tokens from it (n > 1 forks at the prompt's last token)."""
+
+    params: SamplingParams
+    num_samples: int = 1
+    sample_index: int = 0  # of the first sample; the others follow
+    position: int = 0  # output tokens the sequence already has
+
+
+@dataclass
+class SamplerOutput:
+    tokens: list[list[int]]  # per row, num_samples tokens
+    logprobs: list[list[float]]  # the model's log-probability of each (before temperature/filters)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        # Unseeded requests draw from one engine-wide stream: reproducible for a given workload.
+        self.generator = torch.Generator().manual_seed(seed)
+        self._row_generator = torch.Generator()
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sample rows")
+        logits = logits.float().cpu()
+        # Expand rows that fork into one row per sample, so every later op is one batched call.
+        expand = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
+        if len(expand) != len(rows):
+            logits = logits[torch.tensor(expand)]
+        flat = [(rows[i], k) for i, k in _with_offsets(rows)]
+        greedy = [j for j, (row, _) in enumerate(flat) if row.params.greedy]
+        if len(greedy) == len(flat):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, flat, greedy)
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+        return _regroup(tokens.tolist(), logprobs, rows)
+
+    def _sample(self, logits: torch.Tensor, flat: list, greedy: list[int]) -> torch.Tensor:
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        if greedy:
+            g = torch.tensor(greedy)
+            tokens[g] = logits[g].argmax(dim=-1)
+        rand = [j for j, (row, _) in enumerate(flat) if not row.params.greedy]
+        r = torch.tensor(rand)
+        scaled = logits[r] / torch.tensor([flat[j][0].params.temperature for j in rand]).unsqueeze(1)
+        filt = [k for k, j in enumerate(rand) if flat[j][0].params.needs_filter]
+        if filt:
+            f = torch.tensor(filt)
+            scaled[f] = _top_k_top_p(scaled[f], [flat[rand[k]][0].params for k in filt])
+        probs = scaled.softmax(dim=-1)
+        tokens[r] = probs.div_(self._noise(probs.shape, [flat[j] for j in rand])).argmax(dim=-1)
+        return tokens
+
+    def _noise(self, shape, flat: list) -> torch.Tensor:
+        """Exp(1) noise: seeded rows from their own keyed generator, the rest from the engine's."""
+        q = torch.empty(shape)
+        unseeded = [k for k, (row, _) in enumerate(flat) if row.params.seed is None]
+        if unseeded:
+            q[torch.tensor(unseeded)] = torch.empty(len(unseeded), shape[1]).exponential_(generator=self.generator)
+        for k, (row, offset) in enumerate(flat):
+            if row.params.seed is not None:
+                key = seed_key(row.params.seed, row.sample_index + offset, row.position)
+                q[k].exponential_(generator=self._row_generator.manual_seed(key))
+        return q
+
+
+def _with_offsets(rows: list[SampleRow]):
+    for i, row in enumerate(rows):
+        for k in range(row.num_samples):
+            yield i, k
+
+
+def _regroup(tokens: list[int], logprobs: list[float], rows: list[SampleRow]) -> SamplerOutput:
+    out_t, out_l, j = [], [], 0
+    for row in rows:
+        out_t.append(tokens[j:j + row.num_samples])
+        out_l.append(logprobs[j:j + row.num_samples])
+        j += row.num_samples
+    return SamplerOutput(out_t, out_l)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf (one sort for all rows)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    sorted_logits.masked_fill_(ranks >= k.unsqueeze(1), float("-inf"))
+    top_p = torch.tensor([float(p.top_p) for p in params]).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p: the first token always stays.
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_(before >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
