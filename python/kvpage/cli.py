@@ -1,0 +1,141 @@
+"""The `kvpage` command: generate, chat, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in one sentence.", "Write a haiku about the sea.",
+    "What is 17 times 3?", "Name three primary colours.", "Why is the sky blue?",
+    "Give me a tip for learning to cook.", "What does a CPU do?", "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
+    "Suggest a name for a pet turtle.", "What is a prime number?", "How many legs does a spider have?",
+    "Describe a rainbow to a child.", "What is the largest planet in the solar system?",
+    "Write a Python function that adds two numbers.", "What causes the seasons on Earth?",
+    "Give two benefits of regular exercise.", "What is the opposite of 'ancient'?",
+    "How do bees make honey?", "What language is spoken in Brazil?", "What is gravity?",
+    "Tell me a fun fact about octopuses.",
+]
+
+
+def _params(args):
+    from kvpage import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.max_tokens)
+
+
+def _llm(args):
+    import kvpage
+    return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks)
+
+
+def cmd_generate(args) -> None:
+    out = _llm(args).generate(args.prompt, _params(args), use_tqdm=False)[0].outputs[0]
+    print(out.text)
+
+
+def cmd_chat(args) -> None:
+    """Interactive: each reply streams token by token through LLMEngine.step()."""
+    llm = _llm(args)
+    engine, params, history = llm.llm_engine, _params(args), []
+    print("kvpage chat: empty line or Ctrl-D to quit")
+    for turn in range(1 << 30):
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        engine.add_request(f"chat-{turn}", text, params, prompt_token_ids=ids)
+        shown = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply = out.outputs[0].text
+                print(reply[len(shown):], end="", flush=True)
+                shown = reply
+        print()
+        history.append({"role": "assistant", "content": shown})
+
+
+def cmd_bench(args) -> None:
+    """kvpage on the benchmark workload; --peers adds the HF baselines via bench/engine.py (a checkout)."""
+    if args.peers:
+        from pathlib import Path
+        import runpy
+        script = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
+        if not script.is_file():
+            sys.exit("--peers needs a source checkout (bench/engine.py)")
+        sys.argv = [str(script)] + (["--quick"] if args.quick else [])
+        runpy.run_path(str(script), run_name="__main__")
+        return
+    from kvpage.engine.workload import make_workload, quick_workload, run_kvpage
+    llm = _llm(args)
+    res = run_kvpage(llm, quick_workload() if args.quick else make_workload())
+    print(f"{res['output_tokens']} output tokens in {res['seconds']:.2f}s: {res['output_tok_s']:.1f} tok/s;"
+          f" TTFT p50 {res['ttft_p50_s']:.3f}s p99 {res['ttft_p99_s']:.3f}s;"
+          f" prefix-cache hit rate {res['prefix_cache_hit_rate']:.0%}; preemptions {res['num_preemptions']}")
+
+
+def cmd_demo(args) -> None:
+    """A batch of varied questions, greedy, on the default model: answers, then a summary."""
+    from kvpage import SamplingParams
+    llm = _llm(args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    conversations = [[{"role": "system", "content": "You are a concise, helpful assistant."},
+                      {"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for q, out in zip(DEMO_QUESTIONS, outputs):
+        print(f"Q: {q}\nA: {out.outputs[0].text.strip()}\n")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttfts = sorted(o.metrics["ttft"] for o in outputs)
+    s = llm.stats()
+    print(f"{len(outputs)} requests, {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s;"
+          f" time to first token p50 {ttfts[len(ttfts) // 2]:.3f}s, max {ttfts[-1]:.3f}s")
+    print(f"KV blocks: peak {s['max_kv_blocks_used']} of {s['num_kv_blocks']} ({s['block_size']} tokens each);"
+          f" prefix-cache hit rate {s['prefix_cache_hit_rate']:.0%}"
+          f" ({s['prefix_cache_hit_tokens']}/{s['prefix_cache_queried_tokens']} tokens);"
+          f" preemptions {s['num_preemptions']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpage", description="paged KV-cache LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in (("generate", cmd_generate, "complete one prompt"),
+                            ("chat", cmd_chat, "interactive chat, streaming"),
+                            ("bench", cmd_bench, "throughput on the benchmark workload"),
+                            ("demo", cmd_demo, "a batch of questions with a summary")):
+        p = sub.add_parser(name, help=help_)
+        p.set_defaults(fn=fn)
+        p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
+        p.add_argument("--num-kv-blocks", type=int, default=None)
+        p.add_argument("--max-tokens", type=int, default=64 if name != "chat" else 256)
+        p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--seed", type=int, default=None)
+        if name == "generate":
+            p.add_argument("prompt")
+        if name == "bench":
+            p.add_argument("--quick", action="store_true", help="a small smoke run")
+            p.add_argument("--peers", action="store_true", help="also run the HF baselines (bench/engine.py)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, TypeError) as e:
+        print(f"kvpage: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
