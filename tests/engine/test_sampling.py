@@ -128,3 +128,4 @@ def test_abort_frees_blocks(llm):
     engine.abort_request("x")
     assert not engine.has_unfinished_requests()
     assert llm.stats()["kv_blocks_used"] == 0
+

@@ -102,6 +102,7 @@ class LLM:
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        # Beam search runs on the idle engine after the others (kvpage.engine.beam_search).
         beams = {i for i, (_, _, sp) in enumerate(items) if sp.use_beam_search}
         ids = self._add_all([item for i, item in enumerate(items) if i not in beams])
         results: dict[str, RequestOutput] = {}
@@ -119,11 +120,13 @@ class LLM:
             bar.close()
         ordered, it = [], iter(ids)
         for i, (prompt, token_ids, sp) in enumerate(items):
-            if i in beams:
-                from .beam_search import beam_search
-                ordered.append(beam_search(self, prompt, token_ids, sp, request_id=str(next(self._counter))))
-            else:
+            if i not in beams:
                 ordered.append(results[next(it)])
+                continue
+            from .beam_search import beam_search
+            if token_ids is None:
+                prompt, token_ids = self.llm_engine.tokenize(prompt)
+            ordered.append(beam_search(self, prompt, token_ids, sp, request_id=str(next(self._counter))))
         return ordered
 
     def _add_all(self, items: list) -> list[str]:

@@ -86,9 +86,9 @@ class LLMEngine:
         if params.use_beam_search:
             raise ValueError("beam_width > 1 runs through LLM.generate (kvpage.engine.beam_search), not add_request")
         if prompt_token_ids is not None:  # already tokenised (chat templates); prompt is just the text
-            text, token_ids = prompt, self._tokenize(list(prompt_token_ids))[1]
+            text, token_ids = prompt, self.tokenize(list(prompt_token_ids))[1]
         else:
-            text, token_ids = self._tokenize(prompt)
+            text, token_ids = self.tokenize(prompt)
         eos, *more_eos = self.config.eos_token_ids or (None,)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
@@ -102,7 +102,7 @@ class LLMEngine:
         self._states[request_id] = state
         self.num_prompt_tokens += len(token_ids)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")

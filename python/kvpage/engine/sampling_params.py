@@ -18,8 +18,9 @@ class SamplingParams:
     """temperature=0 is greedy; top_k=0 (or -1) and top_p=1 disable those filters.
 
     seed: a per-request generator, so the same seed gives the same tokens whatever else shares the
-    batch. beam_width > 1 runs beam search (deterministic; temperature, top-k/p and n are ignored,
-    and the beam_width best beams are returned, best first).
+    batch. beam_width > 1 runs beam search (deterministic, as HF generate(num_beams=beam_width,
+    do_sample=False)); temperature, top-k/p, seed and n are ignored, and the beam_width best beams
+    are returned, best first.
     """
 
     n: int = 1
