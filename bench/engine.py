@@ -132,6 +132,7 @@ def main(argv=None) -> dict:
     llm = kvpage.LLM()
     run_kvpage(llm, make_workload(num_requests=2, min_out=4, max_out=4))  # warm-up (kernel dispatch, allocator)
     res = {"kvpage": run_kvpage(llm, workload)}
+    print(f"kvpage: {res['kvpage']['output_tok_s']:.1f} output tok/s ({res['kvpage']['seconds']:.1f}s)", flush=True)
     flops = kvpage_flops(llm.model.config, res["kvpage"], workload)
     rate = matmul_flops_per_s()
     res["roofline"] = {"model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9,
