@@ -29,8 +29,9 @@ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 int64_t element_size(DType t) { return t == DType::kFloat ? 4 : 2; }
 
-// Online-softmax step: small enough that the chunk's scores stay in L1.
-int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 64); }
+// Online-softmax step: the chunk's scores stay in L1/L2, and a whole chunk of V tiles (then of the
+// next K tiles) is prefetched while the current ones are used.
+int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 128); }
 
 struct Scratch {
   float* q;      // [rows, head_size], pre-scaled
