@@ -1,0 +1,5 @@
+"""`python -m kvpage ...` is the `kvpage` command (works before a console-script shim exists)."""
+from kvpage.cli import main
+
+if __name__ == "__main__":
+    main()
