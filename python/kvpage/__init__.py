@@ -5,10 +5,12 @@ __version__ = "0.1.0"
 
 # Submodules load on first use, so the pure-Python bookkeeping (kvpage.core) imports
 # without the compiled extension, and `import kvpage` stays cheap.
-_LAZY_SUBMODULES = ("ops", "core", "engine", "model")
+_LAZY_SUBMODULES = ("ops", "core", "engine", "model", "costmodel")
 # The public engine API, importable as kvpage.LLM etc.; torch and transformers load on first access.
 _ENGINE_EXPORTS = ("LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput")
-__all__ = list(_ENGINE_EXPORTS) + list(_LAZY_SUBMODULES)
+# transformers' Cache on kvpage blocks, for HF `model.generate(past_key_values=kvpage.PagedCache(...))`.
+_HF_EXPORTS = ("PagedCache", "PagedCacheStats")
+__all__ = list(_ENGINE_EXPORTS) + list(_HF_EXPORTS) + list(_LAZY_SUBMODULES)
 
 
 def __getattr__(name):
@@ -16,4 +18,6 @@ def __getattr__(name):
         return importlib.import_module(f"kvpage.{name}")
     if name in _ENGINE_EXPORTS:
         return getattr(importlib.import_module("kvpage.engine"), name)
+    if name in _HF_EXPORTS:
+        return getattr(importlib.import_module("kvpage.integrations"), name)
     raise AttributeError(f"module 'kvpage' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The `kvpage` command: generate, chat, bench, demo."""
+"""The `kvpage` command: generate, chat, bench, demo, plan."""
 from __future__ import annotations
 
 import argparse
@@ -62,14 +62,16 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    """kvpage on the benchmark workload; --peers adds the HF baselines via bench/engine.py (a checkout)."""
-    if args.peers:
+    """kvpage on the benchmark workload; --peers adds the HF baselines and --peer vllm vLLM's CPU backend,
+    via bench/engine.py (a source checkout)."""
+    if args.peers or args.peer:
         from pathlib import Path
         import runpy
         script = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
         if not script.is_file():
             sys.exit("--peers needs a source checkout (bench/engine.py)")
-        sys.argv = [str(script)] + (["--quick"] if args.quick else [])
+        sys.argv = ([str(script)] + (["--quick"] if args.quick else []) + (["--vllm"] if args.peer == "vllm" else [])
+                    + ([] if args.peers else ["--no-hf"]))
         runpy.run_path(str(script), run_name="__main__")
         return
     from kvpage.engine.workload import make_workload, quick_workload, run_kvpage
@@ -103,6 +105,34 @@ def cmd_demo(args) -> None:
           f" preemptions {s['num_preemptions']}")
 
 
+def cmd_plan(args) -> None:
+    """The cost model (kvpage.costmodel) for a model on a device: no model is loaded."""
+    from kvpage import costmodel
+
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4, None: None}[args.dtype]
+    workload = costmodel.Workload(
+        context_len=args.context, block_size=args.block_size, mean_len=args.mean_len,
+        memory_utilization=args.memory_utilization, dtype_bytes=dtype_bytes, prefix_requests=args.prefix_requests,
+        prefix_shared_tokens=args.prefix_tokens, max_num_batched_tokens=args.max_num_batched_tokens)
+    print(costmodel.plan_text(costmodel.get_model(args.model), costmodel.get_device(args.device), workload))
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the cost model's numbers for a model on a device (docs/mathlab.md)")
+    p.set_defaults(fn=cmd_plan)
+    p.add_argument("--model", default="llama-3-8b", help="llama-3-8b, smollm2-135m or a local HF model directory")
+    p.add_argument("--device", default="h100", help="h100, h200, a100, or 'this' (measured now, a few seconds)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="KV and weights dtype (default: bf16 on GPUs, fp32 on 'this')")
+    p.add_argument("--context", type=int, default=8192, help="context length reserved per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mean-len", type=float, default=500.0, help="mean tokens per sequence under paging")
+    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--prefix-requests", type=int, default=50)
+    p.add_argument("--prefix-tokens", type=int, default=2000, help="shared system-prompt tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpage", description="paged KV-cache LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "bench":
             p.add_argument("--quick", action="store_true", help="a small smoke run")
             p.add_argument("--peers", action="store_true", help="also run the HF baselines (bench/engine.py)")
+            p.add_argument("--peer", choices=["vllm"], default=None,
+                           help="also run vLLM's CPU backend (its venv: bash bench/peers/setup_vllm.sh),"
+                                " prefix caching on and off (bench/engine.py --vllm)")
+    _add_plan_parser(sub)
     return parser
 
 
