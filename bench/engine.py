@@ -1,17 +1,23 @@
-"""End-to-end throughput: kvpage vs HF `generate_batch` (continuous batching) vs HF static `generate`.
+"""End-to-end throughput: kvpage vs vLLM's CPU backend, HF `generate_batch` and HF static `generate`.
 
 Workload (kvpage.engine.workload, seed 0): 64 requests sharing a ~120-token system prompt, each with its own
 short question, output lengths uniform in 16..128, greedy, ignore_eos. Default model (SmolLM2-135M-Instruct),
-fp32, all threads, all three systems in this one process run. Also the FLOP roofline: the model FLOPs kvpage
-computed (prompt tokens not served from the prefix cache + output tokens) at the FLOP rate of a large fp32
-matmul measured here. Writes bench/results/engine.json and engine.png and prints a table.
+fp32, all threads, every system in this one benchmark run. Every engine gets the same prompt token ids and
+first warms up on a workload of the same shapes with other tokens (nothing a prefix cache could reuse).
+vLLM (with --vllm) runs in its own venv and process (bench/peers/); kvpage and vLLM run with prefix caching
+on and off, each peer compared with kvpage at the same setting. Also the FLOP roofline: the model FLOPs
+kvpage computed (prompt tokens not served from the prefix cache + output tokens) at the FLOP rate of a large
+fp32 matmul measured here. Writes bench/results/engine.json and engine.png and prints a table.
 
-    python bench/engine.py            # full run (several minutes on 2 cores)
+    bash bench/peers/setup_vllm.sh    # once: vLLM CPU in ~/.cache/kvpage/vllm-venv
+    python bench/engine.py --vllm     # full run (many minutes on 2 cores)
+    python bench/engine.py            # kvpage and the HF baselines
     python bench/engine.py --quick    # 8 short requests: a smoke test
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -20,9 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from peers.vllm_launcher import run_vllm  # noqa: E402
 
 import kvpage  # noqa: E402
-from kvpage.engine.workload import make_workload, percentile, quick_workload, run_kvpage  # noqa: E402
+from kvpage.engine.workload import Workload, make_workload, percentile, quick_workload, run_kvpage  # noqa: E402
+from kvpage.model.loader import default_model_dir  # noqa: E402
 
 STATIC_BATCH = 16
 
@@ -116,7 +124,8 @@ def plot(rows, path):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["system"] for r in rows]
-    ax.bar(names, [r["output_tok_s"] for r in rows], color=["tab:green", "tab:blue", "tab:gray", "tab:orange"])
+    ax.bar(names, [r["output_tok_s"] for r in rows])
+    ax.tick_params(axis="x", labelrotation=30)
     ax.set_ylabel("output tokens/s")
     ax.set_title("SmolLM2-135M fp32, 64 requests sharing a system prompt")
     fig.tight_layout()
@@ -127,48 +136,93 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 short requests (smoke run)")
     parser.add_argument("--no-peers", action="store_true", help="kvpage only")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also vLLM's CPU backend (its own venv: bash bench/peers/setup_vllm.sh), and both"
+                             " engines with prefix caching on and off")
+    parser.add_argument("--no-hf", action="store_true", help="skip the two HF baselines")
     args = parser.parse_args(argv)
     workload = quick_workload() if args.quick else make_workload()
-    llm = kvpage.LLM()
-    run_kvpage(llm, make_workload(num_requests=2, min_out=4, max_out=4))  # warm-up (kernel dispatch, allocator)
-    res = {"kvpage": run_kvpage(llm, workload)}
-    print(f"kvpage: {res['kvpage']['output_tok_s']:.1f} output tok/s ({res['kvpage']['seconds']:.1f}s)", flush=True)
-    flops = kvpage_flops(llm.model.config, res["kvpage"], workload)
-    rate = matmul_flops_per_s()
-    res["roofline"] = {"model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9,
-                       "roofline_seconds": flops / rate,
-                       "fraction": flops / rate / res["kvpage"]["seconds"]}
-    if not args.no_peers:
+    tokenizer = _tokenizer()
+    prompts, warmup = tokenized(workload, tokenizer)
+    res = {}
+    for caching in ((True, False) if args.vllm else (True,)):
+        name = "kvpage" if caching else "kvpage_no_prefix_cache"
+        llm = kvpage.LLM(enable_prefix_caching=caching)
+        run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
+        res[name] = run_kvpage(llm, Workload(prompts, workload.output_lens))
+        print(f"{name}: {res[name]['output_tok_s']:.1f} output tok/s ({res[name]['seconds']:.1f}s)", flush=True)
+        if caching:
+            res["roofline"] = roofline(llm.model.config, res[name], workload)
+        del llm
+        gc.collect()
+    if args.vllm and not args.no_peers:
+        for caching in (True, False):
+            res["vllm" if caching else "vllm_no_prefix_cache"] = _run_peer(
+                run_vllm, str(default_model_dir()), prompts, warmup, workload.output_lens, caching,
+                kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads())
+    if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model()
         for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
-            try:
-                res[name] = fn(hf, tok, workload)
-            except Exception as e:  # report, don't hide: the table shows the error
-                res[name] = {"error": f"{type(e).__name__}: {e}"}
+            res[name] = _run_peer(fn, hf, tok, workload)
     return report(res, workload, args.quick)
+
+
+def tokenized(workload, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts as token ids (every engine gets the same ids), and a warm-up set of the same shapes
+    whose tokens differ from the first on, so warming up leaves nothing in a prefix cache to hit."""
+    prompts = [tokenizer.encode(p) for p in workload.prompts]
+    marker = tokenizer.encode("Note:", add_special_tokens=False)[0]
+    return prompts, [[marker] + p[1:] for p in prompts]
+
+
+def roofline(config, kv_result: dict, workload) -> dict:
+    flops = kvpage_flops(config, kv_result, workload)
+    rate = matmul_flops_per_s()
+    return {"model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9, "roofline_seconds": flops / rate,
+            "fraction": flops / rate / kv_result["seconds"]}
+
+
+def _run_peer(fn, *args) -> dict:
+    """A peer that fails is reported in the table (its error), not hidden and not fatal."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        print(f"peer {getattr(fn, '__name__', fn)} failed: {type(e).__name__}: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
 
 
 def _hf_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from kvpage.model.loader import default_model_dir
 
     path = str(default_model_dir())
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
+# Each peer is compared with the kvpage run of the same prefix-caching setting.
+PEERS = {"vllm": "kvpage", "vllm_no_prefix_cache": "kvpage_no_prefix_cache",
+         "hf_generate_batch": "kvpage", "hf_static_generate": "kvpage"}
+SYSTEMS = ("kvpage", "kvpage_no_prefix_cache", *PEERS)
+
+
 def report(res: dict, workload, quick: bool) -> dict:
-    kv = res["kvpage"]
-    kv.pop("outputs")
-    rows = [{"system": "kvpage", **_fmt(kv)}]
-    for name in ("hf_generate_batch", "hf_static_generate"):
-        if name in res:
-            peer = res[name]
-            row = {"system": name, **_fmt(peer)}
-            if "output_tok_s" in peer:
-                row["kvpage_speedup"] = f"{kv['output_tok_s'] / peer['output_tok_s']:.2f}x"
-                res[f"speedup_vs_{name}"] = kv["output_tok_s"] / peer["output_tok_s"]
-            rows.append(row)
-    roof = res["roofline"]
+    rows = []
+    for name in SYSTEMS:
+        if name not in res:
+            continue
+        res[name].pop("outputs", None)
+        row = {"system": name, **_fmt(res[name])}
+        ours = res.get(PEERS.get(name), {})
+        if "output_tok_s" in res[name] and "output_tok_s" in ours:
+            ratio = ours["output_tok_s"] / res[name]["output_tok_s"]
+            row["kvpage_speedup"] = f"{ratio:.2f}x"
+            res[f"speedup_vs_{name}"] = ratio
+        rows.append(row)
+    roof, kv = res["roofline"], res["kvpage"]
     rows.append({"system": "roofline", "output_tok_s": f"{workload.num_output_tokens / roof['roofline_seconds']:.1f}",
                  "kvpage_speedup": f"kvpage at {100 * roof['fraction']:.0f}%"})
     print_table(rows, ["system", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "seconds", "kvpage_speedup"])
@@ -179,8 +233,8 @@ def report(res: dict, workload, quick: bool) -> dict:
     payload = {"workload": {"num_requests": len(workload.prompts), "output_tokens": workload.num_output_tokens,
                             "seed": 0}, "machine": machine_info(), **res}
     write_json(name, payload)
-    bars = [{"system": k, "output_tok_s": res[k]["output_tok_s"]}
-            for k in ("kvpage", "hf_generate_batch", "hf_static_generate") if "output_tok_s" in res.get(k, {})]
+    bars = [{"system": k, "output_tok_s": res[k]["output_tok_s"]} for k in SYSTEMS
+            if "output_tok_s" in res.get(k, {})]
     plot(bars + [{"system": "roofline", "output_tok_s": workload.num_output_tokens / roof["roofline_seconds"]}],
          RESULTS_DIR / f"{name}.png")
     return payload

@@ -36,9 +36,20 @@
   void swap_blocks(at::TensorList src, at::TensorList dst,                                         \
                    const at::Tensor& block_mapping, bool check_ranges);
 
+// The model's small per-token layers and greedy sampling, CPU only: each fuses a chain of torch
+// ops into one pass (on GPUs the Python side keeps torch's own ops). Rows are the last dimension.
+#define KVPAGE_DECLARE_CPU_LAYER_OPS                                                                \
+  /* out = weight * input / sqrt(mean(input^2) + epsilon), per row (HF LlamaRMSNorm, fp32). */    \
+  void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon); \
+  /* out = silu(gate) * up (a Llama MLP's activation). */                                         \
+  void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up);              \
+  /* Per row of logits [rows, vocab]: argmax (first on ties) and its log-softmax. */             \
+  void greedy_sample(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& logits);
+
 namespace kvpage {
 namespace cpu {
 KVPAGE_DECLARE_OPS
+KVPAGE_DECLARE_CPU_LAYER_OPS
 }  // namespace cpu
 #ifdef KVPAGE_WITH_CUDA
 namespace cuda {

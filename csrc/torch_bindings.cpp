@@ -23,6 +23,9 @@ TORCH_LIBRARY(kvpage, m) {
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
       "bool check_ranges=True) -> ()");
   m.def("swap_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor block_mapping, bool check_ranges=True) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  m.def("greedy_sample(Tensor(a!) tokens, Tensor(b!) logprobs, Tensor logits) -> ()");
 }
 
 #define KVPAGE_REGISTER_BACKEND(ns)                                  \
@@ -32,7 +35,12 @@ TORCH_LIBRARY(kvpage, m) {
   m.impl("copy_blocks", &kvpage::ns::copy_blocks);                   \
   m.impl("swap_blocks", &kvpage::ns::swap_blocks);
 
-TORCH_LIBRARY_IMPL(kvpage, CPU, m) { KVPAGE_REGISTER_BACKEND(cpu) }
+TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
+  KVPAGE_REGISTER_BACKEND(cpu)
+  m.impl("rms_norm", &kvpage::cpu::rms_norm);
+  m.impl("silu_and_mul", &kvpage::cpu::silu_and_mul);
+  m.impl("greedy_sample", &kvpage::cpu::greedy_sample);
+}
 
 #ifdef KVPAGE_WITH_CUDA
 TORCH_LIBRARY_IMPL(kvpage, CUDA, m) { KVPAGE_REGISTER_BACKEND(cuda) }

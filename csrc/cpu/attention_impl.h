@@ -2,7 +2,8 @@
 // this file. Decode and prefill share one core: a set of query rows that attend to one KV head's
 // tokens [begin, end), streamed a chunk at a time with an online softmax. Decode rows are the
 // query heads of one GQA group (so each K/V tile is read once per group); prefill rows are a tile
-// of query tokens times that group, each with its own causal limit.
+// of query tokens times that group, each with its own causal limit. The kernel table at the end
+// also carries the row kernels of layers_impl.h (RMSNorm, SiLU-and-multiply, greedy sampling).
 #include "kernels.h"
 
 #include <cmath>
@@ -23,6 +24,7 @@ namespace {
 
 #include "vec.h"
 #include "microkernels.h"
+#include "layers_impl.h"
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -234,10 +236,17 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
 }
 
 }  // namespace
+}  // namespace KVPAGE_ISA_NS
+}  // namespace cpu
+}  // namespace kvpage
+
+namespace kvpage {
+namespace cpu {
+namespace KVPAGE_ISA_NS {
 
 const KernelTable& kernels() {
   static const KernelTable table{KVPAGE_ISA_NAME, scratch_floats, decode_item, decode_reduce,
-                                 prefill_item};
+                                 prefill_item, rms_norm_row, silu_and_mul_row, greedy_row};
   return table;
 }
 

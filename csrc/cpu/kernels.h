@@ -56,6 +56,10 @@ struct KernelTable {
   void (*decode_reduce)(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int64_t head);
   void (*prefill_item)(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
                        float* scratch);
+  // One row of the model's small layers (layers_impl.h), fp32.
+  void (*rms_norm_row)(float* out, const float* x, const float* weight, int64_t n, float eps);
+  void (*silu_and_mul_row)(float* out, const float* gate, const float* up, int64_t n);
+  void (*greedy_row)(const float* logits, int64_t n, int64_t* token, float* logprob);
 };
 
 const KernelTable& generic_kernels();

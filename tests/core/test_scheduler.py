@@ -180,3 +180,25 @@ def test_misuse_raises_clear_errors():
     s.update_from_output(out, {0: EOS})
     with pytest.raises(ValueError, match="latest schedule"):
         s.update_from_output(out, {0: 1})
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_request_waits_a_step_for_a_shared_prefix_another_prefill_is_computing(caching):
+    """Two arrivals sharing 3 full blocks: with prefix caching the second waits for the first's step
+    and then hits all 3; without, both prefill in step 1 (nothing to wait for)."""
+    s = Scheduler(BlockManager(64, 4, enable_prefix_caching=caching))
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    s.add_request("a", shared + [1, 2], max_tokens=3)
+    s.add_request("b", shared + [3, 4], max_tokens=3)
+    s.add_request("c", [40, 41, 42, 43, 44, 45], max_tokens=3)  # behind b: strict order holds it too
+    runner = FakeRunner(4)
+    first = _step(s, runner)
+    assert [x.request_id for x in first.scheduled] == (["a"] if caching else ["a", "b", "c"])
+    second = _step(s, runner)
+    if caching:
+        b = next(x for x in second.scheduled if x.request_id == "b")
+        assert (b.start, b.num_scheduled_tokens) == (12, 2)  # 3 blocks hit, 2 tokens computed
+        assert {x.request_id for x in second.scheduled} == {"a", "b", "c"}
+    while s.has_unfinished_requests():
+        _step(s, runner)
+    assert_pool_whole(s.bm)

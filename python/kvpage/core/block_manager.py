@@ -106,6 +106,21 @@ class BlockManager:
             self._hit_tokens += num_cached
         return num_cached
 
+    def next_uncached_block_hash(self, seq: Sequence) -> bytes | None:
+        """Hash of the first full prompt block of a waiting `seq` the prefix cache lacks (None: no
+        such block, or no prefix caching): if another sequence is computing that block right now,
+        waiting one step turns it into a hit."""
+        if self._cache is None or seq.block_table:
+            return None
+        i = len(self._match_prefix(seq))
+        return self._block_hash(seq, i) if i < (len(seq.token_ids) - 1) // self.block_size else None
+
+    def full_block_hashes(self, seq: Sequence, start: int, end: int) -> list[bytes]:
+        """Hashes of the blocks that computing tokens [start, end) of `seq` fills (prefix caching on)."""
+        if self._cache is None:
+            return []
+        return [self._block_hash(seq, i) for i in range(start // self.block_size, end // self.block_size)]
+
     def _match_prefix(self, seq: Sequence) -> list[int]:
         cache = self._cache
         if cache is None or seq.block_table:

@@ -82,6 +82,8 @@ class Scheduler:
         self._pending: SchedulerOutput | None = None
         self._scheduled: set[str] = set()  # request ids with tokens in the step being built
         self._scheduled_seqs: set[int] = set()
+        # Hashes of the full blocks this step's prefills compute (see _schedule_waiting).
+        self._blocks_in_flight: set[bytes] = set()
         self.step = 0
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -157,7 +159,7 @@ class Scheduler:
             raise RuntimeError(f"schedule() called again before update_from_output() for step {self._pending.step}")
         out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        self._scheduled, self._scheduled_seqs = set(), set()
+        self._scheduled, self._scheduled_seqs, self._blocks_in_flight = set(), set(), set()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_decodes(out, budget)
         self._schedule_running_prefills(out, budget)
@@ -222,6 +224,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and budget.fits(1, 1):
             request = self.waiting[0]
+            # A head whose next prompt block another prefill of this step is computing waits one step
+            # and then hits it, rather than computing it again (SGLang's in-batch prefix caching).
+            # Every request sharing a system prompt would otherwise recompute it in the first step.
+            if self._blocks_in_flight and self.bm.next_uncached_block_hash(request.live_seqs()[0]) in self._blocks_in_flight:
+                return
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
             if not self._allocate(request, request.live_seqs()[0], out, budget):
                 return
@@ -319,6 +326,8 @@ class Scheduler:
             do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1))
         budget.tokens -= n
         budget.seqs -= 1
+        if start < seq.num_prompt_tokens:
+            self._blocks_in_flight.update(self.bm.full_block_hashes(seq, start, end))
         self._scheduled.add(request.request_id)
         self._scheduled_seqs.add(seq.seq_id)
         if request.first_scheduled_step < 0:

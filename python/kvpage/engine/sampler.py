@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpage.ops.layers import greedy_sample
+
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -60,9 +62,10 @@ class Sampler:
         flat = [(rows[i], k) for i, k in _with_offsets(rows)]
         greedy = [j for j, (row, _) in enumerate(flat) if row.params.greedy]
         if len(greedy) == len(flat):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, flat, greedy)
+            # One fused pass: argmax and its log-softmax (argmax + gather + logsumexp otherwise).
+            tokens, logprobs = greedy_sample(logits)
+            return _regroup(tokens.tolist(), logprobs.tolist(), rows)
+        tokens = self._sample(logits, flat, greedy)
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
         logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
         return _regroup(tokens.tolist(), logprobs, rows)

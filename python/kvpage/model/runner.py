@@ -13,6 +13,8 @@ import torch
 from kvpage import ops
 
 from .attention import head_dim_of, validate_config
+from .cpu_layout import use_column_major_linear_weights
+from .fused_layers import fuse_small_layers
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache, set_forward_context
 
@@ -47,9 +49,9 @@ class ModelInput:
     blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst) on the device
 
 
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes one block takes over all layers, K and V (num_kv_heads: a tensor-parallel rank's own count)."""
+    num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_layer = 2 * num_kv_heads * block_size * head_dim_of(config) * dtype.itemsize
     return per_layer * config.num_hidden_layers
 
@@ -67,7 +69,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_kv_heads: int | None = None) -> None:
+        """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
+        holds fewer than its config says (kvpage.model.tensor_parallel)."""
         config = model.config
         self.dtype = dtype or model.dtype
         validate_config(config, self.dtype)
@@ -80,10 +84,13 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            use_column_major_linear_weights(model)
+            fuse_small_layers(model)
         self.num_kv_blocks = num_kv_blocks
         self.num_host_blocks = num_host_blocks
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = head_dim_of(config)
         self.kv_caches: list[KVCache] = self._allocate(num_kv_blocks, self.device)
         self.host_kv_caches: list[KVCache] = self._allocate(num_host_blocks, "cpu") if num_host_blocks else []
@@ -96,7 +103,7 @@ class ModelRunner:
                                       dtype=self.dtype, device=device) for _ in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype, self.num_kv_heads)
 
     def num_blocks_for_memory(self, gib: float) -> int:
         return num_blocks_for_memory(self.config, gib, self.block_size, self.dtype)
@@ -123,6 +130,23 @@ class ModelRunner:
         # Only the sampled rows go through the vocab projection: [num_sampled, vocab], not [T, vocab].
         rows = hidden[0].index_select(0, torch.tensor(sample_rows, device=self.device))
         return self.model.get_output_embeddings()(rows).float()
+
+    @torch.inference_mode()
+    def execute_prepared(self, blocks: ModelInput, input_ids: torch.Tensor, positions: torch.Tensor,
+                         metadata: AttentionMetadata | None, sample_rows: torch.Tensor) -> torch.Tensor | None:
+        """execute() for a step whose flat batch is already built: tensor-parallel ranks unpack it from the
+        driver's broadcast (kvpage.distributed.protocol). blocks: only its swap / copy pairs are read.
+        Returns the LM head's output for sample_rows ([R, vocab] float32; a sharded head's rank-local
+        part on ranks other than 0), or None when nothing is sampled."""
+        self._move_blocks(blocks)
+        if metadata is None:
+            return None
+        with set_forward_context(metadata, self.kv_caches):
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=positions,
+                                           use_cache=False).last_hidden_state
+        if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
+            return None
+        return self.model.get_output_embeddings()(hidden[0].index_select(0, sample_rows)).float()
 
     def _move_blocks(self, batch: ModelInput) -> None:
         """Swap out, then in (a block freed by a swap-out may be reused this step), then copy-on-write."""

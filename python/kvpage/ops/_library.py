@@ -7,13 +7,14 @@ import torch
 
 from kvpage import _C  # noqa: F401  (importing registers the ops)
 
-OPS = ("reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks")
+OPS = ("reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
+       "rms_norm", "silu_and_mul", "greedy_sample")
 # Arguments that may sit on another device than the rest: swap moves between devices, and the
 # block mapping is always read on the host.
 _OWN_DEVICE_ARGS = {"src", "dst", "block_mapping"}
 # Everything is compared against the cache, like the C++ checks; out last, since it usually
 # follows query (torch.empty_like) and the message should name the input.
-_ANCHORS = ("key_cache", "key_caches")
+_ANCHORS = ("key_cache", "key_caches", "input", "gate", "logits")
 
 
 def _same_device(pairs, what):

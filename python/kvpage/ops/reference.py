@@ -74,3 +74,19 @@ def swap_blocks(src, dst, block_mapping):
     for s, d in block_mapping.tolist():
         for src_tensor, dst_tensor in zip(src, dst):
             dst_tensor[d] = src_tensor[s].to(dst_tensor.device)
+
+
+def rms_norm(input, weight, epsilon):
+    """HF LlamaRMSNorm in fp32."""
+    x = input.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)).to(input.dtype)
+
+
+def silu_and_mul(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def greedy_sample(logits):
+    """(argmax, its log-softmax) per row."""
+    tokens = logits.argmax(dim=-1)
+    return tokens, torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
