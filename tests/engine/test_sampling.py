@@ -82,8 +82,8 @@ def test_bad_sampling_params_name_the_argument(name, value):
 
 
 def test_bad_llm_arguments():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        kvpage.LLM(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # TP itself: tests/distributed
+        kvpage.LLM(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         kvpage.LLM(num_kv_blocks=0)
 

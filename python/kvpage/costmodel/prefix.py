@@ -4,8 +4,9 @@ All requests arrive together with max_tokens=1, so prefill is all there is. The 
 modelled as kvpage's (and vLLM's): first come, first served, each step packing up to
 max_num_batched_tokens prompt tokens, a long prompt chunked across steps. A request's prefix-cache
 hit is decided when it is admitted, and only blocks computed in an earlier step can hit: the hash
-chain matches whole blocks whose K/V exist. A request admitted into the leftover budget of the step
-that computes the shared prompt therefore misses and computes it again.
+chain matches whole blocks whose K/V exist. So the scheduler does not admit a request whose next
+prompt block another prefill of the same step is computing: it waits a step and hits, rather than
+computing the shared prompt again (kvpage's in-batch prefix deferral; vLLM admits it and it misses).
 Request i's time to first token is the end of the step that computes its last prompt token.
 """
 from __future__ import annotations
@@ -69,6 +70,8 @@ def _serve(model, device, num_requests, prompt, budget, dtype_bytes, hit_tokens)
     while head < num_requests:
         left, chunks, done = budget, [], []
         for i in range(head, num_requests):
+            if computed[i] is None and hit_tokens > 0 and not cached and chunks:
+                break  # the shared blocks are being computed in this step: wait for them
             if computed[i] is None:
                 hits[i] = hit_tokens if cached else 0
                 computed[i] = hits[i]

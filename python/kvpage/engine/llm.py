@@ -32,9 +32,8 @@ class LLM:
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int = 0,
                  tokenizer=None) -> None:
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not"
-                                      " available yet (kvpage.distributed, a separate issue); use 1")
+        if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         _check_optional_positive("num_kv_blocks", num_kv_blocks)
         _check_optional_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_optional_positive("max_num_seqs", max_num_seqs)
@@ -45,12 +44,19 @@ class LLM:
         self.model, loaded_tokenizer = load_model(model, dtype=_resolve_dtype(dtype))
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
-        num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
-        num_host_blocks = 0
+        self.tensor_parallel_size = tensor_parallel_size
+        swap_gib = 0.0
         if preemption_mode != "recompute":
-            gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
-            num_host_blocks = _blocks_for(config, gib, block_size, self.model.dtype)
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks)
+            swap_gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
+        if tensor_parallel_size > 1:
+            # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
+            self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib)
+            self.model = self.runner.model
+            num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
+        else:
+            num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
+            num_host_blocks = _blocks_for(config, swap_gib, block_size, self.model.dtype) if swap_gib else 0
+            self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
@@ -71,6 +77,32 @@ class LLM:
         else:
             gib = CPU_KV_CACHE_GIB
         return _blocks_for(self.model.config, gib, block_size, self.model.dtype)
+
+    def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
+                               swap_gib: float):
+        """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
+        and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
+        as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
+        from kvpage.distributed import launch
+
+        executor = launch(model_arg, self.model, size)
+        try:
+            per_block = max(executor.rank_bytes_per_block(block_size))
+            if num_kv_blocks is None:
+                cuda = executor.device.type == "cuda"
+                gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
+                num_kv_blocks = int(gib * 2**30) // per_block
+            executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor
+
+    def shutdown(self) -> None:
+        """Release the tensor-parallel workers and process group (a no-op at tensor_parallel_size=1).
+        Also runs when the LLM is garbage-collected and at interpreter exit."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -101,6 +133,8 @@ class LLM:
         return self._run(list(zip(texts, ids, params)), use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+        if self.tensor_parallel_size > 1:
+            self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
         engine = self.llm_engine
         # Beam search runs on the idle engine after the others (kvpage.engine.beam_search).
         beams = {i for i, (_, _, sp) in enumerate(items) if sp.use_beam_search}
@@ -143,7 +177,16 @@ class LLM:
         return ids
 
     def stats(self) -> dict:
-        return self.llm_engine.stats()
+        """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes
+        (device pool) each rank allocated, measured on that rank."""
+        stats = self.llm_engine.stats()
+        stats["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.tensor_parallel_size > 1:
+            stats["kv_cache_bytes_per_rank"] = [device for device, _ in self.runner.kv_cache_bytes]
+        else:
+            stats["kv_cache_bytes_per_rank"] = [sum(t.numel() * t.element_size()
+                                                    for kv in self.runner.kv_caches for t in kv)]
+        return stats
 
 
 def _check_optional_positive(name: str, value) -> None:

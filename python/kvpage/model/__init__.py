@@ -4,10 +4,12 @@ from .loader import DefaultModelMissing, default_gguf_path, load_default_model, 
 from .metadata import AttentionMetadata, ForwardContext, get_forward_context, set_forward_context
 from .runner import (ModelInput, ModelRunner, SequenceInput, kv_cache_bytes_per_block,
                      num_blocks_for_memory)
+from .tensor_parallel import ShardPlan, shard_model
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttentionMetadata", "DefaultModelMissing", "ForwardContext", "ModelInput",
     "ModelRunner", "SequenceInput", "default_gguf_path", "get_forward_context", "kv_cache_bytes_per_block",
     "kvpage_attention_forward", "load_default_model", "load_model", "num_blocks_for_memory",
     "paged_attention_forward", "set_forward_context", "set_kvpage_attention", "validate_config",
+    "ShardPlan", "shard_model",
 ]

@@ -4,6 +4,11 @@ Any model whose attention layers dispatch through `ALL_ATTENTION_FUNCTIONS` (Lla
 ...) runs on the paged cache unmodified: each layer hands us its projected, rotated query/key/value
 for the step's flat batch; we write the new K/V into the paged cache by slot mapping and attend over
 the cache with the paged kernels, reading block tables and lengths from the forward context.
+
+Two callers set up that context: kvpage's ModelRunner (one packed batch, metadata in the forward
+context), and HF `generate` on a `kvpage.PagedCache`, whose `update` leaves the cache in the layer's
+attention kwargs (transformers' in-place kwargs contract for paged caches), so the call lands in
+`PagedCache.attend` with HF's padded [batch, heads, tokens, dim] tensors and the 2D padding mask.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from kvpage import ops
 from .metadata import AttentionMetadata, get_forward_context
 
 ATTN_IMPLEMENTATION = "kvpage"
+# The attention kwarg through which a kvpage.PagedCache's update() hands itself to this function.
+PAGED_CACHE_KWARG = "kvpage_paged_cache"
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -40,16 +47,27 @@ def paged_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch
 def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """HF signature: query [1, num_heads, T, D], key/value [1, num_kv_heads, T, D] (batch 1: the runner's
-    flat batch). Returns ([1, T, num_heads, D], None), the layout of transformers' sdpa_attention_forward."""
-    if query.shape[0] != 1:
-        raise ValueError(f"kvpage attention takes one flat batch of packed sequences (batch size 1),"
-                         f" got query of shape {tuple(query.shape)}")
+    """HF signature: query [B, num_heads, T, D], key/value [B, num_kv_heads, T, D]. Returns
+    ([B, T, num_heads, D], None), the layout of transformers' sdpa_attention_forward.
+
+    Under ModelRunner, B is 1 (the runner's flat batch); under a PagedCache, B is HF's padded batch and
+    attention_mask the 2D padding mask (see _padding_mask)."""
     if dropout:
         raise ValueError(f"kvpage attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("kvpage attention does not support attention logit softcapping")
-    context = get_forward_context()
+    paged_cache = kwargs.get(PAGED_CACHE_KWARG)
+    if paged_cache is not None:
+        out = paged_cache.attend(module.layer_idx, query, key, value, attention_mask, scale=scaling,
+                                 sliding_window=kwargs.get("sliding_window"))
+        return out, None
+    if query.shape[0] != 1:
+        raise ValueError(f"kvpage attention takes one flat batch of packed sequences (batch size 1),"
+                         f" got query of shape {tuple(query.shape)}")
+    try:
+        context = get_forward_context()
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; for HF generate, pass past_key_values=kvpage.PagedCache(model.config)") from None
     window = kwargs.get("sliding_window")
     # A window no sequence outgrows is full causal attention (Mistral's 4096 default, say).
     if window is not None and context.attn_metadata.max_seq_len > window:
@@ -65,9 +83,13 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out, None
 
 
-def _no_mask(*args, **kwargs) -> None:
+def _padding_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Causality and sequence boundaries come from query_start_loc and seq_lens, so HF must not
-    build an O(T^2) mask over the packed batch."""
+    build an O(T^2) mask. What reaches the attention layers is the 2D padding mask [batch, past + new]
+    as HF got it (None under ModelRunner, which passes none): a PagedCache reads from it which tokens
+    of a left-padded batch are real."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask
     return None
 
 
@@ -91,7 +113,7 @@ def validate_config(config, dtype: torch.dtype) -> None:
 
 def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvpage_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
 
 
 register()

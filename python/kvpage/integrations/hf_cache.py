@@ -1,0 +1,424 @@
+"""kvpage.PagedCache: transformers' `Cache` on kvpage's paged KV cache, so HF `generate` runs on it.
+
+Existing code changes two lines:
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvpage")
+    model.generate(**inputs, past_key_values=kvpage.PagedCache(model.config))
+
+How a forward pass runs on it. Each HF attention layer calls `cache.update(key, value, layer_idx,
+kwargs=...)` with the new tokens' K/V (RoPE already applied), then the attention function. `update`
+stores nothing yet: it leaves the cache in the layer's attention kwargs (the in-place contract
+transformers' own paged cache uses) and returns the new K/V as they are. The "kvpage" attention
+function then calls `attend`. At the first layer of a pass, `attend` lays the step out once: which
+tokens are real (from HF's 2D padding mask), blocks for them (copy-on-write where a row appends to a
+block it shares), slot mapping, block tables, lengths. Every layer then writes its K/V by slot mapping
+(`reshape_and_cache`) and attends with `paged_attention` / `paged_prefill_attention` over each row's
+real tokens; no dense copy of the cache is ever made.
+
+Rows hold real tokens only: the padding of a left-padded batch gets no slot and no block, so memory
+follows what each row holds, not batch x longest. Beam search's reorder is a block-table permutation
+with ref counts (kvpage.core.BlockPool), not a copy: beams share blocks until one appends to a shared,
+partly filled block, which is copied first (`ops.copy_blocks`).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpage import ops
+from kvpage.core import BlockPool
+from kvpage.model.attention import (ATTN_IMPLEMENTATION, PAGED_CACHE_KWARG, head_dim_of, paged_attention_forward,
+                                    validate_config)
+from kvpage.model.metadata import AttentionMetadata, KVCache
+
+from .row_tables import OutOfBlocks, RowTables
+
+# With num_blocks=None the pool has this many block ids and grows its tensors on demand. The pool hands
+# out the lowest free id first, so the ids in use stay packed at the bottom and the tensors only ever
+# need to span the peak number of blocks held (4M tokens at block_size 16: more than any memory).
+_GROWABLE_BLOCK_IDS = 1 << 18
+_GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, allocated <= 1.25x peak used
+
+
+@dataclass
+class _Step:
+    """One forward pass's layout, built at its first attention layer and read by every layer."""
+
+    batch_size: int
+    query_len: int
+    metadata: AttentionMetadata | None  # None: no row has a real token in this pass
+    token_index: torch.Tensor | None  # real tokens' places in the flat [batch * query_len]; None: all real
+    layers_done: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class PagedCacheStats:
+    block_size: int
+    bytes_per_block: int  # one block over all layers, K and V
+    num_blocks_allocated: int  # the pool tensors' size (fixed with num_blocks=..., grown on demand otherwise)
+    num_blocks_used: int
+    peak_blocks_used: int
+    num_copy_on_write: int
+
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.num_blocks_used * self.bytes_per_block
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_blocks_used * self.bytes_per_block
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return self.num_blocks_allocated * self.bytes_per_block
+
+
+class PagedCache(Cache):
+    """transformers' Cache API over kvpage blocks: pass it as `generate(..., past_key_values=...)` to a
+    model loaded with `attn_implementation="kvpage"`.
+
+    config: the model's config (`model.config`). num_blocks: size of the block pool; None (default)
+    grows it on demand. block_size: tokens per block (a power of two up to 256). dtype, device: of the
+    K/V; None takes them from the model's first forward pass. One cache serves one batch (one
+    `generate` call, or several that continue it); `reset()` empties it for reuse.
+    """
+
+    def __init__(self, config: PretrainedConfig, num_blocks: int | None = None, block_size: int = 16,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        config = _decoder_config(config)
+        _check_args(num_blocks, block_size, dtype)
+        validate_config(config, dtype or torch.float32)
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_size = head_dim_of(config)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else None
+        self.pool = BlockPool(num_blocks if num_blocks is not None else _GROWABLE_BLOCK_IDS)
+        self.tables = RowTables(self.pool, block_size)
+        self.kv_caches: list[KVCache] = []  # per layer (key_cache, value_cache), from ops.allocate_kv_cache
+        self._columns = torch.zeros((0, 0), dtype=torch.bool)  # [rows, columns HF has fed]: which are real
+        self._step: _Step | None = None
+        self._pending_layer: int | None = None  # updated, not yet attended: the check that "kvpage" attention runs
+        self._peak_blocks = 0
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+
+    # -- transformers' Cache API -----------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict | None = None, *args, **unused) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand this cache to the layer's attention function through its kwargs; return the new K/V as they
+        are. The "kvpage" attention writes them into the blocks and attends over the paged cache."""
+        if not isinstance(kwargs, dict):
+            raise TypeError("PagedCache.update needs the attention layer's kwargs dict (transformers 5 models call"
+                            " cache.update(key, value, layer_idx, kwargs=kwargs)); this model passes none")
+        self._check_layer(layer_idx, key_states, value_states)
+        if self._pending_layer is not None:
+            raise RuntimeError(f"the attention of layer {self._pending_layer} did not read the PagedCache: load the"
+                               f" model with attn_implementation={ATTN_IMPLEMENTATION!r} (or call"
+                               f" model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+        self._pending_layer = layer_idx
+        kwargs[PAGED_CACHE_KWARG] = self
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns HF has fed, padding included (HF slices its inputs by this); rows hold only real tokens."""
+        return self._columns.shape[1]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1  # no maximum: blocks are drawn as rows grow
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # block tables change shape every step
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables) if len(self.tables) else -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row beam_idx[i]. Tables are re-pointed, blocks shared by ref count."""
+        self._select_rows(_index_list(beam_idx, "beam_idx"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(_index_list(indices, "indices"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self._select_rows([i for i in range(len(self.tables)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove columns (transformers 5 semantics: a negative count); blocks
+        past each row's new length go back to the pool."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. Please"
+                             f" use a negative integer to remove that number of tokens from the cache instead.")
+        if tokens_to_remove == 0 or not len(self.tables):
+            return
+        keep = max(0, self.get_seq_length() + tokens_to_remove)
+        self._columns = self._columns[:, :keep]
+        for row, num_tokens in zip(self.tables.rows, self._columns.sum(1).tolist()):
+            self.tables.truncate(row, num_tokens)
+        self._step = None
+
+    def reset(self) -> None:
+        """Empty the cache (every block back to the pool); the pool tensors stay for reuse."""
+        self.tables.clear()
+        self._columns = torch.zeros((0, 0), dtype=torch.bool)
+        self._step = None
+        self._pending_layer = None
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(rows={len(self.tables)}, columns={self.get_seq_length()}, block_size={self.block_size},"
+                f" blocks_used={self.pool.num_used}, blocks_allocated={self._num_allocated})")
+
+    # -- kvpage ----------------------------------------------------------------------------------
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               padding_mask: torch.Tensor | None, scale: float | None = None,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Write layer `layer_idx`'s new K/V into the blocks and attend over each row's cached tokens.
+
+        query [B, H, T, D], key/value [B, KVH, T, D] as HF's attention layer hands them; padding_mask
+        the 2D mask [B, past + T] or None (no padding). Returns [B, T, H, D]; padding tokens get zeros.
+        """
+        if self._pending_layer != layer_idx:
+            raise RuntimeError(f"PagedCache.attend for layer {layer_idx} without its update (pending:"
+                               f" {self._pending_layer}): attend is called by the 'kvpage' attention function")
+        self._pending_layer = None
+        step = self._step_for(layer_idx, query, padding_mask)
+        batch, num_heads, query_len, head_size = query.shape
+        out = query.new_empty((batch, query_len, num_heads, head_size))
+        if step.metadata is None:
+            return out.zero_()
+        if sliding_window is not None and step.metadata.max_seq_len > sliding_window:
+            raise NotImplementedError(f"kvpage attention has no sliding window: a row of {step.metadata.max_seq_len}"
+                                      f" tokens exceeds layer {layer_idx}'s window of {sliding_window}")
+        # [B, H, T, D] is a transposed view of the projections' [B, T, H, D]: flattening it is free.
+        q, k, v = (x.transpose(1, 2).reshape(batch * query_len, x.shape[1], head_size) for x in (query, key, value))
+        key_cache, value_cache = self.kv_caches[layer_idx]
+        flat_out = out.view(batch * query_len, num_heads, head_size)
+        if step.token_index is None:
+            paged_attention_forward(q, k, v, key_cache, value_cache, step.metadata, scale=scale, out=flat_out)
+        else:
+            # Padding present: the kernels see only the real tokens, packed row after row.
+            index = step.token_index
+            packed = paged_attention_forward(q.index_select(0, index), k.index_select(0, index),
+                                             v.index_select(0, index), key_cache, value_cache, step.metadata,
+                                             scale=scale)
+            flat_out.zero_().index_copy_(0, index, packed)
+        return out
+
+    def stats(self) -> PagedCacheStats:
+        return PagedCacheStats(block_size=self.block_size, bytes_per_block=self.bytes_per_block(),
+                               num_blocks_allocated=self._num_allocated, num_blocks_used=self.pool.num_used,
+                               peak_blocks_used=self._peak_blocks,
+                               num_copy_on_write=self.tables.num_copy_on_write)
+
+    def bytes_per_block(self) -> int:
+        itemsize = (self.dtype or torch.float32).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_size * itemsize
+
+    def row_lengths(self) -> list[int]:
+        """Real tokens each row holds (what its block table covers)."""
+        return [row.num_tokens for row in self.tables.rows]
+
+    def block_tables(self) -> list[list[int]]:
+        return [list(row.block_table) for row in self.tables.rows]
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _step_for(self, layer_idx: int, query: torch.Tensor, padding_mask: torch.Tensor | None) -> _Step:
+        """The current pass's layout; a layer seen before in it means a new pass has begun."""
+        step = self._step
+        if step is None or layer_idx in step.layers_done:
+            step = self._step = self._begin_step(query.shape[0], query.shape[2], padding_mask, query.device)
+        elif (query.shape[0], query.shape[2]) != (step.batch_size, step.query_len):
+            raise ValueError(f"layer {layer_idx} got {query.shape[0]} rows x {query.shape[2]} tokens, the layers"
+                             f" before it in this pass {step.batch_size} x {step.query_len}")
+        step.layers_done.add(layer_idx)
+        return step
+
+    def _begin_step(self, batch_size: int, query_len: int, padding_mask: torch.Tensor | None,
+                    device: torch.device) -> _Step:
+        """Place this pass's real tokens: blocks (copy-on-write first), slots, block tables, lengths."""
+        real = self._real_tokens(batch_size, query_len, padding_mask)
+        if not len(self.tables):
+            self.tables.start(batch_size)
+            self._columns = torch.zeros((batch_size, 0), dtype=torch.bool)
+        counts = [query_len] * batch_size if real is None else real.sum(1).tolist()
+        try:
+            slots, copies = self.tables.append(counts)
+        except OutOfBlocks as e:
+            raise OutOfBlocks(f"PagedCache {e}: build it with a larger num_blocks (now num_blocks={self.num_blocks}),"
+                              f" or num_blocks=None to grow on demand") from None
+        new_columns = torch.ones((batch_size, query_len), dtype=torch.bool) if real is None else real
+        self._columns = torch.cat([self._columns, new_columns], dim=1)
+        self._fit_pool()
+        if copies:
+            keys, values = zip(*self.kv_caches)
+            ops.copy_blocks(list(keys), list(values), copies)
+        self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
+        rows = [(row, n) for row, n in zip(self.tables.rows, counts) if n]
+        if not rows:
+            return _Step(batch_size, query_len, None, None)
+        metadata = AttentionMetadata.build([n for _, n in rows], [row.num_tokens for row, _ in rows],
+                                           [row.block_table for row, _ in rows], slots, device)
+        token_index = None if real is None else real.flatten().nonzero().squeeze(1).to(device)
+        return _Step(batch_size, query_len, metadata, token_index)
+
+    def _real_tokens(self, batch_size: int, query_len: int, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Which of this pass's tokens are real, bool [B, T] on the CPU; None when all are."""
+        if padding_mask is None:
+            return None
+        expected = (batch_size, self.get_seq_length() + query_len)
+        if tuple(padding_mask.shape) != expected:
+            raise ValueError(f"attention_mask has shape {tuple(padding_mask.shape)}; with {self.get_seq_length()}"
+                             f" columns cached and {query_len} new, the PagedCache expects {expected}")
+        real = padding_mask[:, -query_len:].to("cpu", torch.bool)
+        return None if bool(real.all()) else real
+
+    def _select_rows(self, indices: list[int]) -> None:
+        if self._pending_layer is not None:
+            raise RuntimeError("cannot reorder a PagedCache in the middle of a forward pass")
+        if not len(self.tables):
+            return
+        self.tables.select(indices)
+        self._columns = self._columns[indices]
+        self._step = None
+
+    # -- the pool tensors ------------------------------------------------------------------------
+
+    @property
+    def _num_allocated(self) -> int:
+        return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+
+    def _fit_pool(self) -> None:
+        """Grow the pool tensors to reach every block id handed out (fixed pools are allocated whole)."""
+        have, top = self._num_allocated, self.tables.top_block
+        if top < have:
+            return
+        size = self.num_blocks if self.num_blocks is not None else max(top + 1, int(have * _GROWTH))
+        grown = [ops.allocate_kv_cache(size, self.block_size, self.num_kv_heads, self.head_size, dtype=self.dtype,
+                                       device=self.device) for _ in range(self.num_layers)]
+        for (key, value), (old_key, old_value) in zip(grown, self.kv_caches):
+            key[:have].copy_(old_key)
+            value[:have].copy_(old_value)
+        self.kv_caches = grown
+
+    def _check_layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The model must be the one this cache was built for: same layers, KV heads, head size, dtype, device."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx {layer_idx!r} is out of range: this PagedCache was built for a config with"
+                             f" {self.num_layers} layers (is the cache being reused with another model?)")
+        shape = (self.num_kv_heads, self.head_size)
+        if key.dim() != 4 or tuple(key.shape[1:2]) + tuple(key.shape[3:]) != shape or value.shape != key.shape:
+            raise ValueError(f"layer {layer_idx} gives key/value states of shapes {tuple(key.shape)} and"
+                             f" {tuple(value.shape)}; this PagedCache was built for a config with {self.num_kv_heads}"
+                             f" KV heads of size {self.head_size} ([batch, kv_heads, tokens, head_size]): build it"
+                             f" from this model's config")
+        if len(self.tables) and key.shape[0] != len(self.tables):
+            raise ValueError(f"this forward pass has batch size {key.shape[0]}, but the PagedCache holds"
+                             f" {len(self.tables)} rows: one cache serves one batch (use a fresh PagedCache, or"
+                             f" reset() this one)")
+        if self.dtype is None:
+            self.dtype = key.dtype
+            validate_config(self.config, self.dtype)
+        if self.device is None:
+            self.device = key.device
+        if key.dtype != self.dtype or key.device != self.device:
+            raise ValueError(f"layer {layer_idx} gives {key.dtype} key states on {key.device}; this PagedCache holds"
+                             f" {self.dtype} on {self.device} (pass dtype=/device= to match the model, or None)")
+
+
+class PagedLayer(CacheLayerMixin):
+    """Layer `layer_idx` of a PagedCache, for transformers code that walks `cache.layers`.
+
+    It owns nothing: K/V live in the cache's block pool, and updates, reordering and cropping go
+    through the PagedCache, for all layers at once.
+    """
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+        super().__init__()
+        self._cache = weakref.ref(cache)  # no cycle: the pool is freed as soon as the cache is dropped
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, *args, **kwargs):
+        raise TypeError("a PagedCache layer is updated through PagedCache.update(key, value, layer_idx, kwargs=...)")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache().get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache().get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise TypeError("reorder the PagedCache itself (cache.reorder_cache), not one of its layers")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise TypeError("crop the PagedCache itself (cache.crop), not one of its layers")
+
+
+def _decoder_config(config) -> PretrainedConfig:
+    if not isinstance(config, PretrainedConfig):
+        hint = " (pass model.config)" if hasattr(config, "config") else ""
+        raise TypeError(f"config must be a transformers PretrainedConfig{hint}, got {type(config).__name__}")
+    config = config.get_text_config(decoder=True)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in (None, ATTN_IMPLEMENTATION):
+        raise ValueError(f"config is for attn_implementation={implementation!r}; a PagedCache is read by the"
+                         f" {ATTN_IMPLEMENTATION!r} attention: load the model with"
+                         f" attn_implementation={ATTN_IMPLEMENTATION!r} (or model.set_attn_implementation)")
+    layer_types = getattr(config, "layer_types", None) or ()
+    others = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if others:
+        raise ValueError(f"config has {others} layers; a PagedCache holds attention layers' K/V only")
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise ValueError(f"config must define an int {name} (a decoder-only LM config), got"
+                             f" {getattr(config, name, None)!r}")
+    return config
+
+
+def _check_args(num_blocks, block_size, dtype) -> None:
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be a positive int or None (grow on demand), got {num_blocks!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
+            or block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two up to 256, got {block_size!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+
+
+def _index_list(indices, name: str) -> list[int]:
+    if isinstance(indices, torch.Tensor):
+        if indices.dim() != 1 or indices.is_floating_point():
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {indices.dtype} of shape"
+                             f" {tuple(indices.shape)}")
+        return indices.tolist()
+    return [int(i) for i in indices]
