@@ -13,6 +13,9 @@ import torch
 
 from kvpage.ops.layers import rms_norm, silu_and_mul
 
+# Relative to the output's norm: rounding differs (the fused SiLU's exp, the RMSNorm's sum order) by
+# ~1e-7; a different formula misses by O(1). An elementwise 1e-5 rejected most of SmolLM2's MLPs, whose
+# outputs reach the tens.
 PROBE_TOLERANCE = 1e-5
 
 
@@ -42,7 +45,7 @@ def _swap_if_equivalent(module: torch.nn.Module, forward, width: int) -> bool:
     probe = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(param.dtype)
     expected = module(probe)
     fused = types.MethodType(forward, module)
-    if not torch.allclose(fused(probe), expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
+    if (fused(probe) - expected).norm() > PROBE_TOLERANCE * expected.norm():
         return False
     module.forward = fused
     return True
