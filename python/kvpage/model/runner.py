@@ -13,7 +13,7 @@ import torch
 from kvpage import ops
 
 from .attention import head_dim_of, validate_config
-from .cpu_layout import use_column_major_linear_weights
+from .cpu_layout import prepack_linear_weights
 from .fused_layers import fuse_small_layers
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache, set_forward_context
@@ -85,7 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
-            use_column_major_linear_weights(model)
+            prepack_linear_weights(model)
             fuse_small_layers(model)
         self.num_kv_blocks = num_kv_blocks
         self.num_host_blocks = num_host_blocks
