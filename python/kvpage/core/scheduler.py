@@ -227,10 +227,11 @@ class Scheduler:
             # A head whose next prompt block another prefill of this step is computing waits one step
             # and then hits it, rather than computing it again (SGLang's in-batch prefix caching).
             # Every request sharing a system prompt would otherwise recompute it in the first step.
-            if self._blocks_in_flight and self.bm.next_uncached_block_hash(request.live_seqs()[0]) in self._blocks_in_flight:
+            head = request.live_seqs()[0]
+            if self._blocks_in_flight and self.bm.next_uncached_block_hash(head) in self._blocks_in_flight:
                 return
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
-            if not self._allocate(request, request.live_seqs()[0], out, budget):
+            if not self._allocate(request, head, out, budget):
                 return
             self.waiting.popleft()
             if request.admit_order < 0:
