@@ -4,13 +4,13 @@ Each op replaces a chain of torch ops (RMSNorm is six: pow, mean, add, rsqrt, mu
 over the rows in `kvpage._C`. On a CPU at decode's tens of tokens per step, every torch op costs a
 dispatch and a thread fork for a few microseconds of arithmetic, so chains like these add up across
 30 layers. The fused kernels are fp32 on CPU; anything else (GPU tensors, bf16) takes the plain torch
-formula, so callers never need to check.
+formula of ops/reference.py, so callers never need to check.
 """
 from __future__ import annotations
 
 import torch
 
-from kvpage.ops import _checks
+from kvpage.ops import _checks, reference
 from kvpage.ops._library import ops
 
 
@@ -23,9 +23,7 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float, out: tor
     _checks.require_tensor(input, "input")
     _checks.require_tensor(weight, "weight")
     if not _fused(input, weight) or input.dim() not in (1, 2) and not input.is_contiguous():
-        x = input.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
-        result = weight * x.to(input.dtype)
+        result = reference.rms_norm(input, weight, epsilon)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(input, memory_format=torch.contiguous_format) if out is None else out
     ops.rms_norm(out, input, weight, float(epsilon))
@@ -37,7 +35,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
     _checks.require_tensor(gate, "gate")
     _checks.require_tensor(up, "up")
     if not _fused(gate, up) or gate.dim() > 2 and not (gate.is_contiguous() and up.is_contiguous()):
-        result = torch.nn.functional.silu(gate) * up
+        result = reference.silu_and_mul(gate, up)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
     ops.silu_and_mul(out, gate, up)
@@ -51,9 +49,7 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
     if not _fused(logits):
-        tokens = logits.argmax(dim=-1)
-        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, (chosen - torch.logsumexp(logits, dim=-1)).float()
+        return reference.greedy_sample(logits)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)
     logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
     ops.greedy_sample(tokens, logprobs, logits)
