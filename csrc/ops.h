@@ -10,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ATen_fwd.h>
 
+#include <optional>
+
 // Each backend (kvpage::cpu, kvpage::cuda) implements this same set; torch_bindings.cpp registers
 // them under the CPU and CUDA dispatch keys of torch.ops.kvpage.
 #define KVPAGE_DECLARE_OPS                                                                          \
@@ -44,7 +46,15 @@
   /* out = silu(gate) * up (a Llama MLP's activation). */                                         \
   void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up);              \
   /* Per row of logits [rows, vocab]: argmax (first on ties) and its log-softmax. */             \
-  void greedy_sample(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& logits);
+  void greedy_sample(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& logits);         \
+  /* query/key [tokens, heads, d] -> *_out, rotated by cos/sin [tokens, d] (HF rotate-half form). */ \
+  void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tensor& query,         \
+                        const at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin);        \
+  /* packed [ceil(n / 32), k, 32] <- weight [n, k]: the layout packed_linear streams. */          \
+  void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight);                          \
+  /* out [m, n] = input [m, k] @ weight.T + bias, from pack_linear_weight's packed weight. */     \
+  void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,          \
+                     const std::optional<at::Tensor>& bias);
 
 namespace kvpage {
 namespace cpu {

@@ -26,6 +26,10 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("greedy_sample(Tensor(a!) tokens, Tensor(b!) logprobs, Tensor logits) -> ()");
+  m.def("rotary_embedding(Tensor(a!) query_out, Tensor(b!) key_out, Tensor query, Tensor key, Tensor cos, "
+        "Tensor sin) -> ()");
+  m.def("pack_linear_weight(Tensor(a!) packed, Tensor weight) -> ()");
+  m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor packed, Tensor? bias) -> ()");
 }
 
 #define KVPAGE_REGISTER_BACKEND(ns)                                  \
@@ -40,6 +44,9 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("rms_norm", &kvpage::cpu::rms_norm);
   m.impl("silu_and_mul", &kvpage::cpu::silu_and_mul);
   m.impl("greedy_sample", &kvpage::cpu::greedy_sample);
+  m.impl("rotary_embedding", &kvpage::cpu::rotary_embedding);
+  m.impl("pack_linear_weight", &kvpage::cpu::pack_linear_weight);
+  m.impl("packed_linear", &kvpage::cpu::packed_linear);
 }
 
 #ifdef KVPAGE_WITH_CUDA
@@ -50,7 +57,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "kvpage kernels; the ops live in torch.ops.kvpage";
   m.def("cpu_isa", [] { return std::string(kvpage::cpu::active_kernels().isa); },
         "Instruction set the CPU kernels run with");
-  m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx2' or 'generic')");
+  m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx512', 'avx2' or 'generic')");
   m.def("available_cpu_isas", &kvpage::cpu::available_isas);
 #ifdef KVPAGE_WITH_CUDA
   m.attr("built_with_cuda") = true;

@@ -3,7 +3,8 @@
 // tokens [begin, end), streamed a chunk at a time with an online softmax. Decode rows are the
 // query heads of one GQA group (so each K/V tile is read once per group); prefill rows are a tile
 // of query tokens times that group, each with its own causal limit. The kernel table at the end
-// also carries the row kernels of layers_impl.h (RMSNorm, SiLU-and-multiply, greedy sampling).
+// also carries the row kernels of layers_impl.h (RMSNorm, SiLU-and-multiply, greedy sampling) and
+// the packed linear layer of gemm_impl.h.
 #include "kernels.h"
 
 #include <cmath>
@@ -28,6 +29,8 @@ namespace {
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+#include "gemm_impl.h"
 
 int64_t element_size(DType t) { return t == DType::kFloat ? 4 : 2; }
 
@@ -246,7 +249,8 @@ namespace KVPAGE_ISA_NS {
 
 const KernelTable& kernels() {
   static const KernelTable table{KVPAGE_ISA_NAME, scratch_floats, decode_item, decode_reduce,
-                                 prefill_item, rms_norm_row, silu_and_mul_row, greedy_row};
+                                 prefill_item, rms_norm_row, silu_and_mul_row, greedy_row, rotary_row,
+                                 linear_slabs, pack_linear_slabs};
   return table;
 }
 

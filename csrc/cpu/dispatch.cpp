@@ -17,10 +17,22 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if defined(KVPAGE_HAVE_AVX512)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
 const KernelTable* by_name(const std::string& name) {
   if (name == "generic") return &generic_kernels();
 #if defined(KVPAGE_HAVE_AVX2)
   if (name == "avx2" && cpu_has_avx2()) return &avx2_kernels();
+#endif
+#if defined(KVPAGE_HAVE_AVX512)
+  if (name == "avx512" && cpu_has_avx512()) return &avx512_kernels();
 #endif
   return nullptr;
 }
@@ -31,6 +43,7 @@ const KernelTable* initial_kernels() {
     TORCH_CHECK_VALUE(forced != nullptr, "KVPAGE_CPU_ISA=", env, " is not available on this CPU");
     return forced;
   }
+  if (cpu_has_avx512()) return by_name("avx512");
   return cpu_has_avx2() ? by_name("avx2") : &generic_kernels();
 }
 
@@ -52,6 +65,7 @@ void set_isa(const std::string& name) {
 std::vector<std::string> available_isas() {
   std::vector<std::string> names{"generic"};
   if (cpu_has_avx2()) names.push_back("avx2");
+  if (cpu_has_avx512()) names.push_back("avx512");
   return names;
 }
 

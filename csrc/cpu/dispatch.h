@@ -12,7 +12,7 @@
 namespace kvpage {
 namespace cpu {
 
-// Kernels for the ISA in use: AVX2+FMA+F16C where the CPU has them, else the portable build;
+// Kernels for the ISA in use: AVX-512, else AVX2+FMA+F16C where the CPU has them, else the portable build;
 // KVPAGE_CPU_ISA=generic (or set_isa) forces the fallback.
 const KernelTable& active_kernels();
 void set_isa(const std::string& name);

@@ -1,5 +1,5 @@
 // The interface between the CPU op glue (torch-aware, ISA-neutral) and the math kernels, which
-// are compiled once per instruction set (isa_avx2.cpp, isa_generic.cpp) and picked at run time.
+// are compiled once per instruction set (isa_avx512.cpp, isa_avx2.cpp, isa_generic.cpp) and picked at run time.
 // Kernel TUs see only this header: raw pointers, no torch or c10 headers, so no inline function
 // compiled with AVX2 can leak into the portable build through the linker.
 #pragma once
@@ -47,6 +47,15 @@ struct PrefillPlan {
   const int32_t* tile_seq;     // [num_tiles]
 };
 
+// y [m, n] = x [m, k] @ W.T + bias, W packed by pack_linear_slabs into 32-column slabs (gemm_impl.h).
+struct LinearArgs {
+  const float* x;       // [m, k], contiguous
+  const float* packed;  // [ceil(n / 32), k, 32]
+  const float* bias;    // [n] or null
+  float* y;             // [m, n], contiguous
+  int64_t m, n, k;
+};
+
 struct KernelTable {
   const char* isa;
   // Floats of per-thread scratch the attention kernels need.
@@ -60,11 +69,19 @@ struct KernelTable {
   void (*rms_norm_row)(float* out, const float* x, const float* weight, int64_t n, float eps);
   void (*silu_and_mul_row)(float* out, const float* gate, const float* up, int64_t n);
   void (*greedy_row)(const float* logits, int64_t n, int64_t* token, float* logprob);
+  void (*rotary_row)(float* out, const float* x, const float* cos, const float* sin, int64_t d);
+  // Slabs [begin, end) of a packed linear layer, and the packing itself.
+  void (*linear_slabs)(const LinearArgs& a, int64_t slab_begin, int64_t slab_end);
+  void (*pack_linear_slabs)(const float* weight, int64_t n, int64_t k, float* packed, int64_t slab_begin,
+                            int64_t slab_end);
 };
 
 const KernelTable& generic_kernels();
 #if defined(KVPAGE_HAVE_AVX2)
 const KernelTable& avx2_kernels();
+#endif
+#if defined(KVPAGE_HAVE_AVX512)
+const KernelTable& avx512_kernels();
 #endif
 
 }  // namespace cpu

@@ -68,6 +68,56 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up)
   });
 }
 
+namespace {
+
+// [tokens, heads, d] with a contiguous last dimension (any token and head strides).
+void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t d) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == tokens && t.size(2) == d && t.stride(2) == 1, name,
+                    " must be [", tokens, ", heads, ", d, "] with a contiguous last dimension, got shape ",
+                    t.sizes(), " strides ", t.strides());
+}
+
+}  // namespace
+
+void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) % 2 == 0, "cos must be [tokens, head_size] with an even head_size,"
+                    " got shape ", cos.sizes());
+  check_same_shape(sin, "sin", cos, "cos");
+  const int64_t tokens = cos.size(0), d = cos.size(1);
+  check_heads(query, "query", tokens, d);
+  check_heads(key, "key", tokens, d);
+  check_heads(query_out, "query_out", tokens, d);
+  check_heads(key_out, "key_out", tokens, d);
+  check_same_shape(query_out, "query_out", query, "query");
+  check_same_shape(key_out, "key_out", key, "key");
+  struct Heads {  // one of query/key: where its rows are read and written
+    const float* in;
+    float* out;
+    int64_t heads, in_token, in_head, out_token, out_head;
+  };
+  const Heads sets[2] = {
+      {query.data_ptr<float>(), query_out.data_ptr<float>(), query.size(1), query.stride(0), query.stride(1),
+       query_out.stride(0), query_out.stride(1)},
+      {key.data_ptr<float>(), key_out.data_ptr<float>(), key.size(1), key.stride(0), key.stride(1),
+       key_out.stride(0), key_out.stride(1)}};
+  const auto row = active_kernels().rotary_row;
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t c_stride = cos.stride(0), s_stride = sin.stride(0);
+  at::parallel_for(0, tokens, row_grain((query.size(1) + key.size(1)) * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (const Heads& x : sets)
+        for (int64_t h = 0; h < x.heads; ++h)
+          row(x.out + t * x.out_token + h * x.out_head, x.in + t * x.in_token + h * x.in_head, c + t * c_stride,
+              s + t * s_stride, d);
+  });
+}
+
 void greedy_sample(at::Tensor& tokens, at::Tensor& logprobs, const at::Tensor& logits) {
   check_rows(logits, "logits");
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) > 0, "logits must be [num_rows, vocab_size > 0], got ",

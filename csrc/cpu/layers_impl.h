@@ -1,4 +1,4 @@
-// Row kernels for the model's small per-token layers (RMSNorm, SiLU-and-multiply) and greedy
+// Row kernels for the model's small per-token layers (RMSNorm, SiLU-and-multiply, rotary) and greedy
 // sampling, compiled once per ISA like attention_impl.h. Each replaces a chain of several torch
 // ops, each a pass over the activations plus a dispatch and a thread fork, with one pass.
 // Included by isa_impl.h inside the ISA's anonymous namespace, after vec.h and microkernels.h.
@@ -31,6 +31,17 @@ void silu_and_mul_row(float* out, const float* gate, const float* up, int64_t n)
     const float g = gate[i], e = exp_nonpositive(-std::fabs(g));
     out[i] = g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * up[i];
   }
+}
+
+// Rotary position embedding of one head, HF's rotate-half form: out = x * cos + rotate_half(x) * sin,
+// rotate_half(x) = [-x2, x1] for halves x1, x2 of head_size d. Products and sum stay separate (as
+// torch computes them: no fused multiply-add), so the result matches HF's to the bit.
+__attribute__((optimize("fp-contract=off"))) void rotary_row(float* out, const float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 // The first index of the row's maximum (torch.argmax's tie rule), and its log-softmax value.

@@ -1,16 +1,30 @@
-"""MKL-prepacked Linear weights: same outputs, weights and tied parameters untouched."""
+"""Prepacked Linear weights (kvpage's slabs with q/k/v and gate/up fused, or MKL's): same outputs,
+weights and tied parameters untouched, copies of the model unaffected."""
 import copy
 
 import pytest
 import torch
 
-from kvpage.model.cpu_layout import mkl_packing_available, prepack_linear_weights
+from kvpage.model import cpu_layout
+from kvpage.model.cpu_layout import MAX_SLAB_ROWS, prepack_linear_weights
+from kvpage.ops import reference
 from tiny_models import random_prompts, tiny_model
 
+PACKINGS = [pytest.param("slabs", marks=pytest.mark.skipif(not cpu_layout.slab_kernel_available(),
+                                                             reason="no AVX-512: the slab kernel is not used")),
+            pytest.param("mkl", marks=pytest.mark.skipif(not cpu_layout.mkl_packing_available(),
+                                                          reason="torch built without MKL"))]
 
-@pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL: nothing is packed")
+
+@pytest.fixture
+def packing(request, monkeypatch):
+    monkeypatch.setattr(cpu_layout, "slab_kernel_available", lambda: request.param == "slabs")
+    return request.param
+
+
+@pytest.mark.parametrize("packing", PACKINGS, indirect=True)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_packed_linears_keep_outputs_and_weights(family):
+def test_packed_linears_keep_outputs_and_weights(packing, family):
     model = tiny_model(family, tie_word_embeddings=True)
     ids = torch.tensor(random_prompts([12, 40])[1]).unsqueeze(0)
     with torch.inference_mode():
@@ -27,3 +41,18 @@ def test_packed_linears_keep_outputs_and_weights(family):
     twin = copy.deepcopy(model)  # the packed copies stay behind; the twin computes with F.linear
     with torch.inference_mode():
         torch.testing.assert_close(twin(ids).logits, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packing", PACKINGS[:1], indirect=True)
+def test_fused_siblings_each_return_their_own_projection(packing):
+    """q/k/v share one packed matrix; each member still answers for its own weight, whether called
+    with the tensor its sibling just saw, with another one, or with more rows than the slabs take."""
+    attn = tiny_model("qwen2").model.layers[0].self_attn
+    prepack_linear_weights(attn)
+    assert cpu_layout._SLABS[attn.q_proj][0] is cpu_layout._SLABS[attn.v_proj][0]
+    with torch.inference_mode():
+        for rows in (3, MAX_SLAB_ROWS + 1):
+            x, other = torch.randn(1, rows, attn.q_proj.in_features), torch.randn(rows, attn.q_proj.in_features)
+            for proj, inp in ((attn.q_proj, x), (attn.k_proj, x), (attn.v_proj, other), (attn.k_proj, other)):
+                expected = reference.linear(inp, proj.weight, proj.bias)
+                torch.testing.assert_close(proj(inp), expected, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvpage import ops
 from kvpage.ops import reference
-from kvpage.ops.layers import greedy_sample, rms_norm, silu_and_mul
+from kvpage.ops.layers import greedy_sample, rms_norm, rotary_embedding, silu_and_mul
 
 
 @given(rows=st.integers(1, 9), width=st.integers(1, 700), seed=st.integers(0, 2**16))
@@ -82,3 +82,33 @@ def test_non_cpu_fp32_inputs_fall_back_to_torch():
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@given(tokens=st.integers(1, 9), heads=st.integers(1, 5), half=st.integers(1, 80), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_rotary_embedding_matches_reference_bitwise(cpu_isa, tokens, heads, half, seed):
+    """Bit-identical to HF's formula: no fused multiply-add in the kernel."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, 3 * heads, 2 * half, generator=g)
+    query, key = qkv[:, :2 * heads], qkv[:, 2 * heads:]  # strided views, as q/k of a fused projection
+    cos, sin = torch.randn(tokens, 2 * half, generator=g), torch.randn(tokens, 2 * half, generator=g)
+    for out, expected in zip(rotary_embedding(query, key, cos, sin), reference.rotary_embedding(query, key, cos, sin)):
+        assert out.is_contiguous() and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, c: rotary_embedding(q[0], k, c, c), "query"),
+    (lambda q, k, c: rotary_embedding(q, k, c, c[:, :8]), "cos"),
+    (lambda q, k, c: rotary_embedding(q, k[:2], c, c), "key"),
+    (lambda q, k, c: rotary_embedding(q[..., :15], k[..., :15], c[:, :15], c[:, :15]), "head_size"),
+])
+def test_rotary_bad_input_names_the_argument(call, match):
+    q, k, c = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(q, k, c)
+
+
+def test_rotary_other_dtypes_take_the_reference_formula():
+    q, k, c, s = (torch.randn(*shape, dtype=torch.float64) for shape in ((3, 4, 16), (3, 2, 16), (3, 16), (3, 16)))
+    for out, expected in zip(rotary_embedding(q, k, c, s), reference.rotary_embedding(q, k, c, s)):
+        assert out.dtype == torch.float64 and torch.equal(out, expected)

@@ -1,33 +1,87 @@
-"""Linear weights prepacked for MKL's sgemm, for fast CPU matmuls at decode's small batches.
+"""Linear weights prepacked for fast CPU matmuls at decode's small batches.
 
-nn.Linear computes x @ W.T through sgemm, which repacks W into its blocked panel format on every call;
-at decode's few rows per step (M = the batch, tens of tokens) that repacking is a large share of the
-multiply, and it streams every weight twice. MKL can pack a weight once (cblas_sgemm_pack, reached
-through torch.ops.mkl, as torch.compile's CPU backend uses it) and multiply from the packed copy.
-Measured here, over 30 layers of SmolLM2's shapes with cold caches, M = 37: 49.8 ms packed vs 56.6 ms
-plain at 2 threads, 82.6 vs 103.2 ms at 1 thread; results are bit-identical to F.linear from M = 16 and
-within fp32 rounding below. The packed copy is extra memory (as much again as the linear weights);
-the modules keep their weights, so state_dict, tied embeddings and everything else see no change.
+At decode's few rows per step (M = the batch, tens of tokens) a linear layer is bound by streaming its
+weight from memory, and plain nn.Linear (sgemm) also repacks the weight into its panel format on every
+call. Two packings, chosen by the CPU:
+
+- AVX-512 (kvpage's own kernel, `kvpage.ops.layers.packed_linear`): weights in 32-column slabs that
+  each thread streams once per call while prefetching the next. Layers that read the same input are
+  packed as ONE matrix and computed in one call: q/k/v of an attention module, gate/up of an MLP (as
+  vLLM's QKVParallelLinear and MergedColumnParallelLinear do); each member returns its slice. Measured
+  here (30 layers of SmolLM2's shapes, cold caches, 2 threads): see bench/linear.py.
+- Otherwise MKL's packed sgemm (cblas_sgemm_pack through torch.ops.mkl, as torch.compile's CPU backend
+  uses it), one matrix per layer: 49.8 vs 56.6 ms plain at M = 37, bit-identical to F.linear from M = 16.
+
+Either way the packed copy is extra memory (as much again as the linear weights); the modules keep
+their weights, so state_dict, tied embeddings and everything else see no change, and batches outside
+the packed kernel's range (a long prefill) run F.linear on them.
 """
 from __future__ import annotations
 
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 
-PACK_BATCH = 64  # the batch MKL tunes the packing for; any batch may use it
-# module -> its packed weight. Kept off the module: a packed tensor has no storage, so deepcopy or
-# pickling of the model would fail on it; a copy of the module finds no entry and runs F.linear.
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, torch.Tensor]" = weakref.WeakKeyDictionary()
+from kvpage import ops
+from kvpage.ops import layers
+
+MKL_PACK_BATCH = 64  # the batch MKL tunes its packing for; any batch may use it
+# Above this many rows the slab kernel re-reads its input per slab; sgemm's blocking wins (measured:
+# equal at 256 rows, 1.3x slower at 512).
+MAX_SLAB_ROWS = 256
+# Sibling layers fed the same input, packed and computed together.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(eq=False)
+class _Fused:
+    """One packed matrix for layers that share an input; the last call's output is kept so the second
+    and third member, called with the same tensor, take their slice instead of computing again."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    last_input: torch.Tensor | None = None
+    last_output: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.last_input:
+            self.last_output = layers.packed_linear(x, self.packed, self.out_features, self.bias)
+            self.last_input = x
+        return self.last_output
+
+
+# module -> (its packed matrix, its columns there). Kept off the module: a packed tensor would be
+# copied by deepcopy and pickling; a copy of the module finds no entry and runs F.linear.
+_SLABS: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[_Fused, int]]" = weakref.WeakKeyDictionary()
+_MKL: "weakref.WeakKeyDictionary[torch.nn.Linear, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    packed = _PACKED.get(self)
+def slab_kernel_available() -> bool:
+    return ops.cpu_isa() == "avx512"
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= MAX_SLAB_ROWS * x.shape[-1]
+
+
+def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:
+    entry = _SLABS.get(self)
+    if entry is None or not _rows_fit(x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    fused, start = entry
+    out = fused.output(x)
+    return out if out.shape[-1] == self.out_features else out[..., start:start + self.out_features]
+
+
+def _mkl_forward(self, x: torch.Tensor) -> torch.Tensor:
+    packed = _MKL.get(self)
     if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
@@ -35,18 +89,55 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-@torch.inference_mode()
-def prepack_linear_weights(model: torch.nn.Module) -> int:
-    """Give every fp32 nn.Linear of `model` a packed copy of its weight that its forward multiplies
-    with; returns how many changed (0 where torch has no MKL)."""
-    if not mkl_packing_available():
-        return 0
+def _packable(module: torch.nn.Module) -> bool:
+    return (isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu" and "forward" not in vars(module))
+
+
+def _fusable_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Sibling layers of FUSED_GROUPS with one input width; every other packable layer alone."""
+    groups, grouped = [], set()
+    for parent in model.modules():
+        for names in FUSED_GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if (all(m is not None and _packable(m) for m in members)
+                    and len({m.in_features for m in members}) == 1
+                    and len({m.bias is None for m in members}) == 1):
+                groups.append(members)
+                grouped.update(id(m) for m in members)
+    singles = [[m] for m in model.modules() if _packable(m) and id(m) not in grouped]
+    return groups + singles
+
+
+def _pack_slabs(model: torch.nn.Module) -> int:
+    changed = 0
+    for members in _fusable_groups(model):
+        weight = torch.cat([m.weight.detach() for m in members]) if len(members) > 1 else members[0].weight.detach()
+        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        fused = _Fused(layers.pack_linear_weight(weight), bias, weight.shape[0])
+        start = 0
+        for m in members:
+            _SLABS[m] = (fused, start)
+            start += m.out_features
+            m.forward = types.MethodType(_slab_forward, m)
+            changed += 1
+    return changed
+
+
+def _pack_mkl(model: torch.nn.Module) -> int:
     changed = 0
     for module in model.modules():
-        if (not isinstance(module, torch.nn.Linear) or module.weight.dtype != torch.float32
-                or module.weight.device.type != "cpu" or "forward" in vars(module)):
-            continue
-        _PACKED[module] = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), PACK_BATCH)
-        module.forward = types.MethodType(_packed_forward, module)
-        changed += 1
+        if _packable(module):
+            _MKL[module] = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), MKL_PACK_BATCH)
+            module.forward = types.MethodType(_mkl_forward, module)
+            changed += 1
     return changed
+
+
+@torch.inference_mode()
+def prepack_linear_weights(model: torch.nn.Module) -> int:
+    """Give every fp32 CPU nn.Linear of `model` a packed weight its forward multiplies with (kvpage's
+    slabs on AVX-512 CPUs, else MKL's); returns how many changed (0 where neither is available)."""
+    if slab_kernel_available():
+        return _pack_slabs(model)
+    return _pack_mkl(model) if mkl_packing_available() else 0

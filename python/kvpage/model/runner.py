@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contextlib import nullcontext
+
 import torch
 
 from kvpage import ops
 
 from .attention import head_dim_of, validate_config
 from .cpu_layout import prepack_linear_weights
+from .fast_rotary import RotarySwap
 from .fused_layers import fuse_small_layers
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache, set_forward_context
@@ -84,9 +87,11 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        self._rotary = None
         if self.device.type == "cpu":
             prepack_linear_weights(model)
             fuse_small_layers(model)
+            self._rotary = RotarySwap(model)
         self.num_kv_blocks = num_kv_blocks
         self.num_host_blocks = num_host_blocks
         self.num_layers = config.num_hidden_layers
@@ -122,9 +127,7 @@ class ModelRunner:
         if not seqs:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         input_ids, positions, metadata, sample_rows = self._prepare(seqs)
-        with set_forward_context(metadata, self.kv_caches):
-            hidden = self.model.base_model(input_ids=input_ids, position_ids=positions,
-                                           use_cache=False).last_hidden_state
+        hidden = self._forward(input_ids, positions, metadata)
         if not sample_rows:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         # Only the sampled rows go through the vocab projection: [num_sampled, vocab], not [T, vocab].
@@ -141,12 +144,17 @@ class ModelRunner:
         self._move_blocks(blocks)
         if metadata is None:
             return None
-        with set_forward_context(metadata, self.kv_caches):
-            hidden = self.model.base_model(input_ids=input_ids, position_ids=positions,
-                                           use_cache=False).last_hidden_state
+        hidden = self._forward(input_ids, positions, metadata)
         if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
             return None
         return self.model.get_output_embeddings()(hidden[0].index_select(0, sample_rows)).float()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """The base model over the flat batch: hidden states [1, T, hidden]."""
+        rotary = self._rotary.active() if self._rotary is not None else nullcontext()
+        with set_forward_context(metadata, self.kv_caches), rotary:
+            return self.model.base_model(input_ids=input_ids, position_ids=positions,
+                                         use_cache=False).last_hidden_state
 
     def _move_blocks(self, batch: ModelInput) -> None:
         """Swap out, then in (a block freed by a swap-out may be reused this step), then copy-on-write."""

@@ -1,4 +1,5 @@
-"""The model's small per-token layers and greedy sampling, fused for CPUs.
+"""The model's small per-token layers (RMSNorm, SiLU-and-multiply, rotary embedding, packed linear)
+and greedy sampling, fused for CPUs.
 
 Each op replaces a chain of torch ops (RMSNorm is six: pow, mean, add, rsqrt, mul, mul) with one pass
 over the rows in `kvpage._C`. On a CPU at decode's tens of tokens per step, every torch op costs a
@@ -34,12 +35,47 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
     """silu(gate) * up: a Llama MLP's activation, before the down projection."""
     _checks.require_tensor(gate, "gate")
     _checks.require_tensor(up, "up")
-    if not _fused(gate, up) or gate.dim() > 2 and not (gate.is_contiguous() and up.is_contiguous()):
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    gate_rows, up_rows = _as_rows(gate), _as_rows(up)
+    if gate_rows is None or up_rows is None or not _fused(gate, up):
         result = reference.silu_and_mul(gate, up)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(gate, memory_format=torch.contiguous_format) if out is None else out
-    ops.silu_and_mul(out, gate, up)
+    out_rows = _as_rows(out)
+    if out_rows is None:
+        return out.copy_(silu_and_mul(gate, up))
+    ops.silu_and_mul(out_rows, gate_rows, up_rows)
     return out
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """[..., n] as a 2-D [rows, n] view (any row stride), or None where the leading dims do not merge
+    (a gate/up slice of a fused [1, T, 2n] projection merges; a transposed tensor does not)."""
+    if t.dim() == 0:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding in HF's rotate-half form, x * cos + rotate_half(x) * sin, for query and
+    key [tokens, heads, head_size] (any token/head strides) with cos/sin [tokens, head_size]; new
+    contiguous tensors, as HF's apply_rotary_pos_emb returns."""
+    for name, t in (("query", query), ("key", key), ("cos", cos), ("sin", sin)):
+        _checks.require_tensor(t, name)
+    if query.dim() != 3 or key.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(f"query/key must be [tokens, heads, head_size] and cos/sin one [tokens, head_size];"
+                         f" got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if not _fused(query, key, cos, sin):
+        return reference.rotary_embedding(query, key, cos, sin)
+    query_out, key_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
+        key, memory_format=torch.contiguous_format)
+    ops.rotary_embedding(query_out, key_out, query, key, cos, sin)
+    return query_out, key_out
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +90,33 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
     ops.greedy_sample(tokens, logprobs, logits)
     return tokens, logprobs
+
+
+SLAB_COLUMNS = 32  # the packed layout's slab width (csrc/cpu/gemm_impl.h)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
+    [ceil(out / 32), in, 32] that packed_linear streams; a copy, the weight itself is untouched."""
+    _checks.require_tensor(weight, "weight")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    slabs = -(-weight.shape[0] // SLAB_COLUMNS)
+    packed = torch.empty((slabs, weight.shape[1], SLAB_COLUMNS), dtype=weight.dtype, device=weight.device)
+    ops.pack_linear_weight(packed, weight.contiguous())
+    return packed
+
+
+def packed_linear(input: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """input [..., in_features] @ weight.T + bias from pack_linear_weight(weight): [..., out_features].
+    Built for decode's few rows (weights streamed once per call); fp32 CPU only."""
+    _checks.require_tensor(input, "input")
+    _checks.require_tensor(packed, "packed")
+    if not isinstance(out_features, int) or out_features <= 0:
+        raise ValueError(f"out_features must be a positive int, got {out_features!r}")
+    rows = input.reshape(-1, input.shape[-1]).contiguous() if input.dim() else input
+    out = torch.empty((rows.shape[0] if rows.dim() == 2 else 0, out_features), dtype=input.dtype,
+                      device=input.device)
+    ops.packed_linear(out, rows, packed, bias)
+    return out.reshape(*input.shape[:-1], out_features)

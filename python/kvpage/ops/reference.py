@@ -90,3 +90,17 @@ def greedy_sample(logits):
     """(argmax, its log-softmax) per row."""
     tokens = logits.argmax(dim=-1)
     return tokens, torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def linear(input, weight, bias=None):
+    """input @ weight.T + bias, summed in float64 (what packed_linear approximates in fp32)."""
+    out = input.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).to(input.dtype)
+
+
+def rotary_embedding(query, key, cos, sin):
+    """HF's apply_rotary_pos_emb (rotate-half form) on [tokens, heads, d] with cos/sin [tokens, d]."""
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+    return rotate(query), rotate(key)

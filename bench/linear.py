@@ -1,0 +1,82 @@
+"""The linear layers of one decode step, three ways: nn.Linear (sgemm), MKL's packed sgemm, kvpage's
+slab kernel with q/k/v and gate/up fused (kvpage.model.cpu_layout's two packings).
+
+All 30 layers of SmolLM2-135M's shapes plus its vocab projection, random weights, each matrix used
+once per pass so the weights come from memory as in the engine (a step streams ~540 MB of fp32
+weights). Min of a few passes per row count M (the decode batch), same process, same threads.
+
+    python bench/linear.py [--rows 1 8 16 32 64 128 256] [--threads N]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from kvpage import ops  # noqa: E402
+from kvpage.ops.layers import pack_linear_weight, packed_linear  # noqa: E402
+
+LAYERS, HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB = 30, 576, 1536, 192, 49152
+# (out, in) per layer as HF holds them, and as the slab packing fuses them.
+SEPARATE = [(HIDDEN, HIDDEN), (KV_WIDTH, HIDDEN), (KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN),
+            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+FUSED = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def weights(shapes):
+    g = torch.Generator().manual_seed(0)
+    per_layer = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LAYERS) for n, k in shapes]
+    return per_layer + [torch.randn(VOCAB, HIDDEN, generator=g) * 0.02]
+
+
+def best_ms(calls, rows, passes=5):
+    inputs = {k: torch.randn(rows, k) for k in (HIDDEN, INTERMEDIATE)}
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        for width, call in calls:
+            call(inputs[width])
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    separate, fused = weights(SEPARATE), weights(FUSED)
+    systems = {"nn.Linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in separate]}
+    if torch.backends.mkl.is_available():
+        mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 64)) for w in separate]
+        systems["MKL packed"] = [(w.shape[1], lambda x, w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0]))
+                                 for w, p in mkl]
+    slabs = [(w.shape[0], pack_linear_weight(w)) for w in fused]
+    systems[f"kvpage slabs, fused ({ops.cpu_isa()})"] = [(p.shape[1], lambda x, n=n, p=p: packed_linear(x, p, n))
+                                                         for n, p in slabs]
+    flops_per_row = 2 * sum(n * k for n, k in FUSED) * LAYERS + 2 * VOCAB * HIDDEN
+    rows_out = []
+    for rows in args.rows:
+        times = {name: best_ms(calls, rows) for name, calls in systems.items()}
+        base = times["nn.Linear"]
+        row = {"rows": rows, **{name: f"{t:.1f}" for name, t in times.items()}}
+        for name, t in times.items():
+            if name != "nn.Linear":
+                row[f"{name.split(',')[0]} speed-up"] = f"{base / t:.2f}x"
+        row["best GFLOP/s"] = f"{flops_per_row * rows / min(times.values()) / 1e6:.0f}"
+        rows_out.append(row)
+        print(f"M={rows}: " + ", ".join(f"{k} {v} ms" for k, v in times.items()), flush=True)
+    columns = list(rows_out[0])
+    common.print_table(rows_out, columns)
+    path = common.write_json("linear", {"machine": common.machine_info(), "ms_per_step": rows_out})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

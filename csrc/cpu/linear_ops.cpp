@@ -1,0 +1,70 @@
+// CPU glue for the packed linear layer (kernel in gemm_impl.h): weights packed once into 32-column
+// slabs, then y = x @ W.T + bias with the slabs split over torch's threads in contiguous runs, so
+// each thread streams its share of the weight front to back.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "../ops.h"
+#include "dispatch.h"
+
+namespace kvpage {
+namespace cpu {
+namespace {
+
+constexpr int64_t kSlabColumns = 32;  // gemm_impl.h's slab width
+
+int64_t num_slabs(int64_t n) { return (n + kSlabColumns - 1) / kSlabColumns; }
+
+void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+}  // namespace
+
+void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight) {
+  check_float_cpu(weight, "weight");
+  check_float_cpu(packed, "packed");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
+                    "weight must be a non-empty [out_features, in_features] matrix, got shape ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(0) == num_slabs(n) && packed.size(1) == k &&
+                        packed.size(2) == kSlabColumns,
+                    "packed must have shape [", num_slabs(n), ", ", k, ", ", kSlabColumns, "], got ", packed.sizes());
+  const auto pack = active_kernels().pack_linear_slabs;
+  const float* w = weight.data_ptr<float>();
+  float* p = packed.data_ptr<float>();
+  at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) { pack(w, n, k, p, begin, end); });
+}
+
+void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& bias) {
+  check_float_cpu(input, "input");
+  check_float_cpu(packed, "packed");
+  check_float_cpu(out, "out");
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kSlabColumns,
+                    "packed must be [slabs, in_features, ", kSlabColumns, "] from pack_linear_weight, got shape ",
+                    packed.sizes());
+  const int64_t k = packed.size(1);
+  TORCH_CHECK_VALUE(input.dim() == 2 && input.size(1) == k, "input must be [rows, ", k,
+                    "] (in_features of packed), got shape ", input.sizes());
+  const int64_t m = input.size(0);
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == m && num_slabs(out.size(1)) == packed.size(0),
+                    "out must be [", m, ", out_features] with ", packed.size(0), " slabs of ", kSlabColumns,
+                    " columns, got shape ", out.sizes());
+  const int64_t n = out.size(1);
+  if (bias.has_value()) {
+    check_float_cpu(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias must have shape [", n, "], got ",
+                      bias->sizes());
+  }
+  if (m == 0) return;
+  LinearArgs a{input.data_ptr<float>(), packed.data_ptr<float>(),
+               bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k};
+  const auto slabs = active_kernels().linear_slabs;
+  at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) { slabs(a, begin, end); });
+}
+
+}  // namespace cpu
+}  // namespace kvpage

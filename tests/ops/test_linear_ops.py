@@ -1,0 +1,66 @@
+"""The packed linear layer (pack_linear_weight + packed_linear) against ops/reference.py, on every CPU
+ISA: ragged widths (a last slab of padding columns), every row count a pass can take, bias, views
+of the input, and bad input."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpage.ops import reference
+from kvpage.ops.layers import SLAB_COLUMNS, pack_linear_weight, packed_linear
+
+
+def _close(actual, expected, k):
+    # fp32 sums of k products: error grows like sqrt(k) ulps of the operands' scale.
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@given(rows=st.integers(1, 40), n=st.integers(1, 130), k=st.integers(1, 200), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_packed_linear_matches_reference(cpu_isa, rows, n, k, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = pack_linear_weight(w)
+    assert packed.shape == (-(-n // SLAB_COLUMNS), k, SLAB_COLUMNS)
+    _close(packed_linear(x, packed, n, b), reference.linear(x, w, b), k)
+
+
+def test_model_shapes_and_leading_dims(cpu_isa):
+    """SmolLM2's fused q/k/v width at decode and prefill row counts; a [1, T, k] input keeps its dims."""
+    w, b = torch.randn(960, 576) * 0.05, torch.randn(960)
+    packed = pack_linear_weight(w)
+    for rows in (1, 8, 9, 64, 257):
+        x = torch.randn(1, rows, 576)
+        out = packed_linear(x, packed, 960, b)
+        assert out.shape == (1, rows, 960)
+        _close(out, reference.linear(x, w, b), 576)
+
+
+def test_strided_input_and_weight_are_read_as_values():
+    w = torch.randn(40, 100)[:, ::2]  # non-contiguous weight: packed from its values
+    x = torch.randn(100, 7).T[:, :50]  # non-contiguous input
+    _close(packed_linear(x, pack_linear_weight(w), 40), reference.linear(x, w), 50)
+
+
+def test_zero_rows():
+    assert packed_linear(torch.empty(0, 16), pack_linear_weight(torch.randn(5, 16)), 5).shape == (0, 5)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: packed_linear(torch.randn(3, 15), p, 40), "input"),
+    (lambda p: packed_linear(torch.randn(3, 16), p, 70), "out"),
+    (lambda p: packed_linear(torch.randn(3, 16), p, 0), "out_features"),
+    (lambda p: packed_linear(torch.randn(3, 16), p, 40, torch.randn(39)), "bias"),
+    (lambda p: packed_linear(torch.randn(3, 16).double(), p, 40), "input"),
+    (lambda p: packed_linear(torch.randn(3, 16), p[0], 40), "packed"),
+    (lambda p: packed_linear(torch.randn(3, 16), p.half(), 40), "packed"),
+    (lambda p: pack_linear_weight(torch.randn(40)), "weight"),
+    (lambda p: pack_linear_weight(torch.randn(0, 16)), "weight"),
+    (lambda p: pack_linear_weight(torch.randn(4, 16, dtype=torch.float64)), "weight"),
+])
+def test_bad_input_names_the_argument(call, match):
+    packed = pack_linear_weight(torch.randn(40, 16))
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(packed)
