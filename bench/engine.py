@@ -9,6 +9,12 @@ on and off, each peer compared with kvpage at the same setting. Also the FLOP ro
 kvpage computed (prompt tokens not served from the prefix cache + output tokens) at the FLOP rate of a large
 fp32 matmul measured here. Writes bench/results/engine.json and engine.png and prints a table.
 
+This machine's speed drifts by +-15% over minutes, so kvpage and vLLM take turns: ROUNDS timed runs each
+per setting, alternating (vLLM's engine stays up between its runs), every round on its own variant of the
+prompts (another first token, so no round hits another's prefix cache; same shapes, same work). Reported:
+each system's median run, and kvpage/vLLM as the median of the per-round ratios. The HF baselines, ~5x
+slower, run once.
+
     bash bench/peers/setup_vllm.sh    # once: vLLM CPU in ~/.cache/kvpage/vllm-venv
     python bench/engine.py --vllm     # full run (many minutes on 2 cores)
     python bench/engine.py            # kvpage and the HF baselines
@@ -26,13 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
-from peers.vllm_launcher import run_vllm  # noqa: E402
+from peers.vllm_launcher import VllmPeer  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, make_workload, percentile, quick_workload, run_kvpage  # noqa: E402
 from kvpage.model.loader import default_model_dir  # noqa: E402
 
 STATIC_BATCH = 16
+ROUNDS = 3
+# First tokens of the warm-up set and of each round's variant of the prompts (distinct, and none is the
+# system prompt's own first token), so nothing carries over in a prefix cache between them.
+MARKER_WORDS = ("Note", "Memo", "Draft", "Copy", "Aside", "Brief", "Entry", "Record")
 
 
 def matmul_flops_per_s(n: int = 1024, iters: int = 10) -> float:
@@ -137,29 +147,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="8 short requests (smoke run)")
     parser.add_argument("--no-peers", action="store_true", help="kvpage only")
     parser.add_argument("--vllm", action="store_true",
-                        help="also vLLM's CPU backend (its own venv: bash bench/peers/setup_vllm.sh), and both"
+                        help="also vLLM's CPU backend (its venv: bash bench/peers/setup_vllm.sh), and both"
                              " engines with prefix caching on and off")
     parser.add_argument("--no-hf", action="store_true", help="skip the two HF baselines")
+    parser.add_argument("--rounds", type=int, default=None, help=f"timed runs per engine and setting"
+                        f" (default {ROUNDS}, 1 with --quick)")
     args = parser.parse_args(argv)
     workload = quick_workload() if args.quick else make_workload()
-    tokenizer = _tokenizer()
-    prompts, warmup = tokenized(workload, tokenizer)
-    res = {}
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
+    if not 1 <= rounds < len(MARKER_WORDS):
+        parser.error(f"--rounds must be in 1..{len(MARKER_WORDS) - 1}")
+    warmup, by_round = tokenized(workload, _tokenizer(), rounds)
+    res = {"rounds": rounds}
+    with_vllm = args.vllm and not args.no_peers
     for caching in ((True, False) if args.vllm else (True,)):
-        name = "kvpage" if caching else "kvpage_no_prefix_cache"
-        llm = kvpage.LLM(enable_prefix_caching=caching)
-        run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
-        res[name] = run_kvpage(llm, Workload(prompts, workload.output_lens))
-        print(f"{name}: {res[name]['output_tok_s']:.1f} output tok/s ({res[name]['seconds']:.1f}s)", flush=True)
-        if caching:
-            res["roofline"] = roofline(llm.model.config, res[name], workload)
-        del llm
+        res.update(compare(caching, with_vllm, workload, warmup, by_round))
         gc.collect()
-    if args.vllm and not args.no_peers:
-        for caching in (True, False):
-            res["vllm" if caching else "vllm_no_prefix_cache"] = _run_peer(
-                run_vllm, str(default_model_dir()), prompts, warmup, workload.output_lens, caching,
-                kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads())
     if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model()
         for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
@@ -167,12 +170,66 @@ def main(argv=None) -> dict:
     return report(res, workload, args.quick)
 
 
-def tokenized(workload, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """The prompts as token ids (every engine gets the same ids), and a warm-up set of the same shapes
-    whose tokens differ from the first on, so warming up leaves nothing in a prefix cache to hit."""
+def compare(caching: bool, with_vllm: bool, workload, warmup, by_round) -> dict:
+    """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round."""
+    name, peer_name = ("kvpage", "vllm") if caching else ("kvpage_no_prefix_cache", "vllm_no_prefix_cache")
+    llm = kvpage.LLM(enable_prefix_caching=caching)
+    run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
+    peer, peer_error = None, None
+    if with_vllm:
+        try:
+            peer = VllmPeer(str(default_model_dir()), warmup, workload.output_lens, caching,
+                            kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads())
+        except Exception as e:  # reported in the table, not fatal
+            peer_error = f"{type(e).__name__}: {e}"
+    ours, theirs, roofs = [], [], []
+    try:
+        for prompts in by_round:
+            ours.append(run_kvpage(llm, Workload(prompts, workload.output_lens)))
+            if caching:
+                roofs.append(roofline(llm.model.config, ours[-1], workload))
+            ours[-1].pop("outputs")
+            print(f"{name}: {ours[-1]['output_tok_s']:.1f} output tok/s ({ours[-1]['seconds']:.1f}s)", flush=True)
+            if peer is not None and peer_error is None:
+                try:
+                    theirs.append(peer.run(prompts))
+                    print(f"{peer_name}: {theirs[-1]['output_tok_s']:.1f} output tok/s", flush=True)
+                except Exception as e:
+                    peer_error = f"{type(e).__name__}: {e}"
+    finally:
+        if peer is not None:
+            peer.close()
+    out = {name: median_run(ours)}
+    if roofs:
+        out["roofline"] = {**sorted(roofs, key=lambda r: r["fraction"])[len(roofs) // 2],
+                           "fractions": [r["fraction"] for r in roofs]}
+    if with_vllm:
+        out[peer_name] = {"error": peer_error} if peer_error else median_run(theirs)
+        if not peer_error:
+            ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs)]
+            out[f"paired_speedup_vs_{peer_name}"] = {"median": sorted(ratios)[len(ratios) // 2], "rounds": ratios}
+    return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output tokens/s, and every run's figure."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    return {**ranked[len(ranked) // 2], "runs_tok_s": [r["output_tok_s"] for r in runs]}
+
+
+def tokenized(workload, tokenizer, rounds: int):
+    """Every engine gets the same token ids: a warm-up set of the workload's shapes whose tokens differ
+    from the first on (warming up leaves nothing in a prefix cache to hit), and the prompts of each timed
+    round: round 0 the workload's prompts, round r the same with its own first token."""
     prompts = [tokenizer.encode(p) for p in workload.prompts]
-    marker = tokenizer.encode("Note:", add_special_tokens=False)[0]
-    return prompts, [[marker] + p[1:] for p in prompts]
+    markers = [tokenizer.encode(w, add_special_tokens=False)[0] for w in MARKER_WORDS]
+    if len(set(markers)) != len(markers) or prompts[0][0] in markers:
+        raise RuntimeError(f"MARKER_WORDS must start with distinct tokens, none the prompts' first: {markers}")
+
+    def variant(marker):
+        return [[marker] + p[1:] for p in prompts]
+
+    return variant(markers[0]), [prompts] + [variant(m) for m in markers[1:rounds]]
 
 
 def roofline(config, kv_result: dict, workload) -> dict:
@@ -217,14 +274,20 @@ def report(res: dict, workload, quick: bool) -> dict:
         res[name].pop("outputs", None)
         row = {"system": name, **_fmt(res[name])}
         ours = res.get(PEERS.get(name), {})
-        if "output_tok_s" in res[name] and "output_tok_s" in ours:
+        paired = res.get(f"paired_speedup_vs_{name}")
+        if paired:  # alternating rounds: the median of the per-round ratios
+            row["kvpage_speedup"] = f"{paired['median']:.2f}x (rounds " + \
+                ", ".join(f"{r:.2f}" for r in paired["rounds"]) + ")"
+            res[f"speedup_vs_{name}"] = paired["median"]
+        elif "output_tok_s" in res[name] and "output_tok_s" in ours:
             ratio = ours["output_tok_s"] / res[name]["output_tok_s"]
             row["kvpage_speedup"] = f"{ratio:.2f}x"
             res[f"speedup_vs_{name}"] = ratio
         rows.append(row)
     roof, kv = res["roofline"], res["kvpage"]
     rows.append({"system": "roofline", "output_tok_s": f"{workload.num_output_tokens / roof['roofline_seconds']:.1f}",
-                 "kvpage_speedup": f"kvpage at {100 * roof['fraction']:.0f}%"})
+                 "kvpage_speedup": f"kvpage at {100 * roof['fraction']:.0f}% (rounds "
+                 + ", ".join(f"{100 * f:.0f}%" for f in roof["fractions"]) + ")"})
     print_table(rows, ["system", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "seconds", "kvpage_speedup"])
     print(f"prefix-cache hit rate {kv['prefix_cache_hit_rate']:.0%}, preemptions {kv['num_preemptions']},"
           f" peak KV blocks {kv['max_kv_blocks_used']}/{kv['num_kv_blocks']};"

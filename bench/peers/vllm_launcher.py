@@ -2,6 +2,8 @@
 
 vLLM stays out of kvpage's dependencies and out of CI: it lives in $KVPAGE_VLLM_VENV (default
 ~/.cache/kvpage/vllm-venv, made by bench/peers/setup_vllm.sh), and this module only starts a subprocess.
+The peer stays up between timed runs (VllmPeer.run), so a benchmark can alternate vLLM's runs with
+kvpage's and compare each pair at the same moment: this machine's speed drifts by +-15% over minutes.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "vllm_peer.py"
+DONE_MARKER = "KVPAGE_PEER_RESULT "  # vllm_peer.py's reply prefix (vLLM logs on the same stdout)
 # vLLM's CPU attention takes block sizes that are multiples of 32.
 VLLM_BLOCK_SIZE = 32
 
@@ -25,23 +28,56 @@ def available() -> bool:
     return vllm_python().is_file()
 
 
-def run_vllm(model_dir: str, prompts: list[list[int]], warmup_prompts: list[list[int]], output_lens: list[int],
-             enable_prefix_caching: bool, kv_cache_gib: float, threads: int, max_num_seqs: int = 256,
-             max_num_batched_tokens: int = 2048, timeout_s: float = 1800) -> dict:
-    """One vLLM engine: a warm-up pass, then the timed pass; returns its result dict (or raises)."""
-    if not available():
-        raise RuntimeError(f"no vLLM venv at {vllm_python().parent.parent}: run bash bench/peers/setup_vllm.sh")
-    spec = {"model": model_dir, "prompts": prompts, "warmup_prompts": warmup_prompts, "output_lens": output_lens,
-            "enable_prefix_caching": enable_prefix_caching, "block_size": VLLM_BLOCK_SIZE,
-            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+class VllmPeer:
+    """One vLLM engine in its own process: warmed up on start, then one timed run per run() call."""
+
+    def __init__(self, model_dir: str, warmup_prompts: list[list[int]], output_lens: list[int],
+                 enable_prefix_caching: bool, kv_cache_gib: float, threads: int, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048) -> None:
+        if not available():
+            raise RuntimeError(f"no vLLM venv at {vllm_python().parent.parent}: run bash bench/peers/setup_vllm.sh")
+        self._tmp = tempfile.TemporaryDirectory()
+        spec = {"model": model_dir, "warmup_prompts": warmup_prompts, "output_lens": output_lens,
+                "enable_prefix_caching": enable_prefix_caching, "block_size": VLLM_BLOCK_SIZE,
+                "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([str(vllm_python()), str(PEER_SCRIPT), str(spec_path), str(result_path)],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not result_path.is_file():
-            raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        return json.loads(result_path.read_text())
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+        self._stderr = open(Path(self._tmp.name) / "stderr.txt", "w+")
+        self._proc = subprocess.Popen([str(vllm_python()), str(PEER_SCRIPT), str(spec_path)], env=env, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self._runs = 0
+        self._reply()  # start-up and warm-up done
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        path = Path(self._tmp.name) / f"prompts{self._runs}.json"
+        path.write_text(json.dumps(prompts))
+        self._runs += 1
+        self._proc.stdin.write(f"{path}\n")
+        self._proc.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        for line in self._proc.stdout:
+            if line.startswith(DONE_MARKER):
+                return json.loads(line[len(DONE_MARKER):])
+        self._stderr.seek(0)
+        raise RuntimeError(f"vLLM peer exited ({self._proc.wait()}): {self._stderr.read()[-2000:]}")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._stderr.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "VllmPeer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,10 +1,13 @@
 """vLLM's CPU backend on kvpage's benchmark workload: runs INSIDE the vLLM venv (bench/peers/setup_vllm.sh).
 
-    $VENV/bin/python bench/peers/vllm_peer.py spec.json result.json
+    $VENV/bin/python bench/peers/vllm_peer.py spec.json
 
-spec.json (written by bench/peers/vllm_launcher.py): model directory, prompts as token ids, output
-lengths, a warm-up set of prompts with the same shapes but other tokens (so the warm-up neither hits
-the prefix cache of the timed run nor leaves its one-time costs in it), and the engine settings.
+spec.json (written by bench/peers/vllm_launcher.py): model directory, output lengths, a warm-up set of
+prompts (token ids) with the workload's shapes but its own tokens (so the warm-up neither hits the
+prefix cache of a timed run nor leaves its one-time costs in it), and the engine settings. After the
+warm-up the peer serves timed runs, so the benchmark can alternate them with kvpage's: each line on
+stdin names a JSON file of prompts (token ids); the reply is one stdout line, DONE_MARKER + the
+result as JSON. An empty line or EOF ends it.
 Time to first token is the time from the start of the timed run to the first step that returns a
 token for the request, as kvpage measures it; every request is added before the first step.
 """
@@ -31,6 +34,9 @@ def run(engine, prompts, output_lens, SamplingParams) -> dict:
             "ttft_p50_s": ttfts[round(0.50 * (len(ttfts) - 1))], "ttft_p99_s": ttfts[round(0.99 * (len(ttfts) - 1))]}
 
 
+DONE_MARKER = "KVPAGE_PEER_RESULT "
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams
@@ -42,11 +48,15 @@ def main() -> None:
     engine = llm.llm_engine
     # The output kind must be cumulative so out.outputs[0].token_ids is the whole completion at the end.
     run(engine, spec["warmup_prompts"], spec["output_lens"], SamplingParams)
-    result = run(engine, spec["prompts"], spec["output_lens"], SamplingParams)
-    result.update(vllm_version=vllm.__version__, block_size=spec["block_size"],
-                  enable_prefix_caching=spec["enable_prefix_caching"])
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+    print(DONE_MARKER + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        prompts = json.loads(open(line.strip()).read())
+        result = run(engine, prompts, spec["output_lens"], SamplingParams)
+        result.update(vllm_version=vllm.__version__, block_size=spec["block_size"],
+                      enable_prefix_caching=spec["enable_prefix_caching"])
+        print(DONE_MARKER + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps the child from re-running main
