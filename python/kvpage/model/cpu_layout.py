@@ -26,7 +26,9 @@ import torch
 
 from kvpage import ops
 from kvpage.ops import layers
+from kvpage.ops._library import ops as _library_ops
 
+_packed_linear_op = _library_ops.packed_linear.default
 MKL_PACK_BATCH = 64  # the batch MKL tunes its packing for; any batch may use it
 # Above this many rows the slab kernel re-reads its input per slab; sgemm's blocking wins (measured:
 # equal at 256 rows, 1.3x slower at 512).
@@ -48,7 +50,12 @@ class _Fused:
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         if x is not self.last_input:
-            self.last_output = layers.packed_linear(x, self.packed, self.out_features, self.bias)
+            # The op itself, not layers.packed_linear: this runs ~100 times a step, and the C++ op
+            # checks every argument anyway.
+            rows = x.reshape(-1, x.shape[-1])
+            out = rows.new_empty((rows.shape[0], self.out_features))
+            _packed_linear_op(out, rows if rows.is_contiguous() else rows.contiguous(), self.packed, self.bias)
+            self.last_output = out.view(*x.shape[:-1], self.out_features)
             self.last_input = x
         return self.last_output
 
@@ -67,13 +74,10 @@ def slab_kernel_available() -> bool:
     return ops.cpu_isa() == "avx512"
 
 
-def _rows_fit(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= MAX_SLAB_ROWS * x.shape[-1]
-
-
 def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:
     entry = _SLABS.get(self)
-    if entry is None or not _rows_fit(x):
+    if (entry is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or x.numel() > MAX_SLAB_ROWS * x.shape[-1]):
         return torch.nn.functional.linear(x, self.weight, self.bias)
     fused, start = entry
     out = fused.output(x)

@@ -11,6 +11,7 @@ import types
 
 import torch
 
+from kvpage.ops._library import ops
 from kvpage.ops.layers import rms_norm, silu_and_mul
 
 # Relative to the output's norm: rounding differs (the fused SiLU's exp, the RMSNorm's sum order) by
@@ -19,12 +20,32 @@ from kvpage.ops.layers import rms_norm, silu_and_mul
 PROBE_TOLERANCE = 1e-5
 
 
+# The ops themselves on the engine's hot path (a step calls these ~90 times): the C++ ops check their
+# arguments, and the kvpage.ops.layers wrappers, with their fallbacks, take every other case.
+_rms_norm_op, _silu_and_mul_op = ops.rms_norm.default, ops.silu_and_mul.default
+
+
+def _fast_case(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _fast_case(hidden_states) and hidden_states.is_contiguous() and self.weight.dtype == torch.float32:
+        out = torch.empty_like(hidden_states)
+        _rms_norm_op(out, hidden_states, self.weight, self.variance_epsilon)
+        return out
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _gated_silu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if (_fast_case(gate) and gate.dim() == 3 and gate.shape[0] == 1 and gate.shape == up.shape
+            and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        # The runner's [1, T, n] batch; the rows of gate and up may be slices of one fused projection.
+        out = gate.new_empty(gate.shape)
+        _silu_and_mul_op(out[0], gate[0], up[0])
+        return self.down_proj(out)
+    return self.down_proj(silu_and_mul(gate, up))
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
