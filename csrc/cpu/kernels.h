@@ -47,10 +47,10 @@ struct PrefillPlan {
   const int32_t* tile_seq;     // [num_tiles]
 };
 
-// y [m, n] = x [m, k] @ W.T + bias, W packed by pack_linear_slabs into 32-column slabs (gemm_impl.h).
+// y [m, n] = x [m, k] @ W.T + bias, W packed by pack_linear_slabs into 48-column slabs (gemm_impl.h).
 struct LinearArgs {
   const float* x;       // [m, k], contiguous
-  const float* packed;  // [ceil(n / 32), k, 32]
+  const float* packed;  // [ceil(n / 48), k, 48]
   const float* bias;    // [n] or null
   float* y;             // [m, n], contiguous
   int64_t m, n, k;

@@ -1,4 +1,4 @@
-// CPU glue for the packed linear layer (kernel in gemm_impl.h): weights packed once into 32-column
+// CPU glue for the packed linear layer (kernel in gemm_impl.h): weights packed once into 48-column
 // slabs, then y = x @ W.T + bias with the slabs split over torch's threads in contiguous runs, so
 // each thread streams its share of the weight front to back.
 #include <ATen/ATen.h>
@@ -11,7 +11,7 @@ namespace kvpage {
 namespace cpu {
 namespace {
 
-constexpr int64_t kSlabColumns = 32;  // gemm_impl.h's slab width
+constexpr int64_t kSlabColumns = 48;  // gemm_impl.h's slab width
 
 int64_t num_slabs(int64_t n) { return (n + kSlabColumns - 1) / kSlabColumns; }
 

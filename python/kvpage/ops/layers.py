@@ -92,12 +92,12 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logprobs
 
 
-SLAB_COLUMNS = 32  # the packed layout's slab width (csrc/cpu/gemm_impl.h)
+SLAB_COLUMNS = 48  # the packed layout's slab width (csrc/cpu/gemm_impl.h)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
-    [ceil(out / 32), in, 32] that packed_linear streams; a copy, the weight itself is untouched."""
+    [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched."""
     _checks.require_tensor(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
