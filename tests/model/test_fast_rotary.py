@@ -13,7 +13,9 @@ from tiny_models import model_pair, random_prompts
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_runner_steps_use_the_fused_rotary_and_restore_hf(family):
+def test_runner_steps_use_the_fused_rotary_and_restore_hf(family, monkeypatch):
+    # The module path (HF's attention code); the lean decoder layers call the rotary op themselves.
+    monkeypatch.setattr("kvpage.model.runner.install_fast_decoder_layers", lambda model: 0)
     reference, model = model_pair(family)
     runner = ModelRunner(model, num_kv_blocks=16, block_size=8)
     modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]

@@ -16,6 +16,7 @@ from kvpage import ops
 
 from .attention import head_dim_of, validate_config
 from .cpu_layout import prepack_linear_weights
+from .fast_decoder_layer import install_fast_decoder_layers
 from .fast_rotary import RotarySwap
 from .fused_layers import fuse_small_layers
 from .loader import set_kvpage_attention
@@ -92,6 +93,7 @@ class ModelRunner:
             prepack_linear_weights(model)
             fuse_small_layers(model)
             self._rotary = RotarySwap(model)
+            install_fast_decoder_layers(model)
         self.num_kv_blocks = num_kv_blocks
         self.num_host_blocks = num_host_blocks
         self.num_layers = config.num_hidden_layers
