@@ -5,6 +5,9 @@ import torch
 
 from kvpage.model import ModelInput, ModelRunner, SequenceInput
 from kvpage.model import fast_decoder_layer
+from kvpage.model.cpu_layout import prepack_linear_weights
+from kvpage.model.fused_layers import fuse_small_layers
+from kvpage.model.loader import set_kvpage_attention
 from test_runner_api import BLOCK, prefill_input
 from tiny_models import model_pair, random_prompts
 
@@ -48,6 +51,20 @@ def test_a_layer_of_another_shape_is_left_alone():
     layer.extra_norm = torch.nn.LayerNorm(model.config.hidden_size)  # not a plain pre-norm Llama layer
     ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
     assert "forward" not in vars(layer) and "forward" in vars(model.model.layers[1])
+
+
+def test_a_layer_without_separate_projections_is_left_alone():
+    """Same children, but one projection missing (a fused qkv_proj family): checked, not installed."""
+    _, model = model_pair("llama")
+    layer = model.model.layers[0]
+    layer.self_attn.qkv_proj = layer.self_attn.v_proj
+    del layer.self_attn.v_proj
+    assert fast_decoder_layer.install_fast_decoder_layers(model) == 0  # nothing packed: nothing qualifies
+    set_kvpage_attention(model)
+    prepack_linear_weights(model)
+    fuse_small_layers(model)
+    assert fast_decoder_layer.install_fast_decoder_layers(model) == model.config.num_hidden_layers - 1
+    assert "forward" not in vars(layer)
 
 
 def test_a_deepcopy_runs_the_module_path():

@@ -29,7 +29,8 @@ LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "m
 
 
 def _slab(module) -> tuple[cpu_layout._Fused, int] | None:
-    return cpu_layout._SLABS.get(module)
+    # None: a layer without that projection (Phi-3's fused qkv_proj, say); weakrefs cannot take None.
+    return None if module is None else cpu_layout._SLABS.get(module)
 
 
 def _shape_ok(layer) -> bool:
