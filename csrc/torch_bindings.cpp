@@ -59,6 +59,7 @@ PYBIND11_MODULE(_C, m) {
         "Instruction set the CPU kernels run with");
   m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx512', 'avx2' or 'generic')");
   m.def("available_cpu_isas", &kvpage::cpu::available_isas);
+  m.attr("linear_slab_columns") = kvpage::cpu::kSlabColumns;
 #ifdef KVPAGE_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from vllm_launcher import DONE_MARKER  # this script's directory is on sys.path; it imports no vLLM
+
 
 def run(engine, prompts, output_lens, SamplingParams) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in output_lens]
@@ -32,9 +34,6 @@ def run(engine, prompts, output_lens, SamplingParams) -> dict:
     ttfts = sorted(first.values())
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
             "ttft_p50_s": ttfts[round(0.50 * (len(ttfts) - 1))], "ttft_p99_s": ttfts[round(0.99 * (len(ttfts) - 1))]}
-
-
-DONE_MARKER = "KVPAGE_PEER_RESULT "
 
 
 def main() -> None:

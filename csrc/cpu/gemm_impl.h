@@ -13,7 +13,6 @@
 // (kvpage.model.cpu_layout uses this path only where the AVX-512 kernel runs).
 #pragma once
 
-constexpr int64_t kSlabColumns = 48;
 constexpr int64_t kMaxRowsPerPass = 8;
 
 // Issues `lines` prefetches of `base` spread evenly over `steps` calls of next(): a slab's worth of

@@ -47,6 +47,10 @@ struct PrefillPlan {
   const int32_t* tile_seq;     // [num_tiles]
 };
 
+// Columns per slab of a packed linear weight: the glue sizes and checks packed tensors with it, the
+// kernels (gemm_impl.h) tile by it. 48 = three 16-lane vectors.
+constexpr int64_t kSlabColumns = 48;
+
 // y [m, n] = x [m, k] @ W.T + bias, W packed by pack_linear_slabs into 48-column slabs (gemm_impl.h).
 struct LinearArgs {
   const float* x;       // [m, k], contiguous

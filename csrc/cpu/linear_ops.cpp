@@ -11,8 +11,6 @@ namespace kvpage {
 namespace cpu {
 namespace {
 
-constexpr int64_t kSlabColumns = 48;  // gemm_impl.h's slab width
-
 int64_t num_slabs(int64_t n) { return (n + kSlabColumns - 1) / kSlabColumns; }
 
 void check_float_cpu(const at::Tensor& t, const char* name) {

@@ -20,10 +20,9 @@ from kvpage.ops._library import ops as _library_ops
 
 from . import cpu_layout, metadata
 from .attention import paged_attention_forward
+from .fused_layers import _rms_norm_op, _silu_and_mul_op
 from .metadata import AttentionMetadata, set_forward_context
 
-_rms_norm_op = _library_ops.rms_norm.default
-_silu_and_mul_op = _library_ops.silu_and_mul.default
 _rotary_op = _library_ops.rotary_embedding.default
 LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 

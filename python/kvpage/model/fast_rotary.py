@@ -21,6 +21,8 @@ import torch
 
 from kvpage.ops.layers import rotary_embedding
 
+from .attention import head_dim_of
+
 FUNCTION_NAME = "apply_rotary_pos_emb"
 
 
@@ -58,7 +60,7 @@ class RotarySwap:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.swaps: list[tuple[object, object]] = []  # (modeling module, fused function)
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        head_dim = head_dim_of(model.config)
         seen = set()
         for layer in model.modules():
             module = sys.modules.get(type(layer).__module__)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage import _C
 from kvpage.ops import _checks, reference
 from kvpage.ops._library import ops
 
@@ -92,7 +93,7 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logprobs
 
 
-SLAB_COLUMNS = 48  # the packed layout's slab width (csrc/cpu/gemm_impl.h)
+SLAB_COLUMNS = _C.linear_slab_columns  # the packed layout's slab width (csrc/cpu/kernels.h)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
