@@ -157,6 +157,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-hf", action="store_true", help="skip the two HF baselines")
     parser.add_argument("--rounds", type=int, default=None, help=f"timed runs per engine and setting"
                         f" (default {ROUNDS}, 1 with --quick)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="kvpage's KV cache dtype (fp8: float8_e4m3fn, not token-identical)")
     args = parser.parse_args(argv)
     workload = quick_workload() if args.quick else make_workload()
     rounds = args.rounds or (1 if args.quick else ROUNDS)
@@ -166,7 +168,7 @@ def main(argv=None) -> dict:
     res = {"rounds": rounds}
     with_vllm = args.vllm and not args.no_peers
     for caching in ((True, False) if args.vllm else (True,)):
-        res.update(compare(caching, with_vllm, workload, warmup, by_round))
+        res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype))
         gc.collect()
     if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model()
@@ -175,10 +177,11 @@ def main(argv=None) -> dict:
     return report(res, workload, args.quick)
 
 
-def compare(caching: bool, with_vllm: bool, workload, warmup, by_round) -> dict:
-    """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round."""
+def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache_dtype: str = "auto") -> dict:
+    """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round (kvpage's KV cache
+    in kv_cache_dtype; vLLM's stays in the model's dtype)."""
     name, peer_name = ("kvpage", "vllm") if caching else ("kvpage_no_prefix_cache", "vllm_no_prefix_cache")
-    llm = kvpage.LLM(enable_prefix_caching=caching)
+    llm = kvpage.LLM(enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype)
     run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
     peer, peer_error = None, None
     if with_vllm:

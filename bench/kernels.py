@@ -6,7 +6,9 @@ Also reports the KV bytes/s paged decode achieves against this machine's read ba
 the same run. Targets (issue 2): paged decode <= 1.0x dense for context >= 1024; >= 70% of read
 bandwidth once the cache is larger than the L3 cache.
 
-    python bench/kernels.py [--quick] [--dtype float32] [--threads N]
+    python bench/kernels.py [--quick] [--dtype float32] [--threads N] [--fp8-cache]
+    --fp8-cache: decode also over an fp8 (e4m3) copy of the cache, per-tensor scales from the data;
+                 reports its time against the same-dtype cache's (fp8_speedup) and its error
     python bench/kernels.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
 """
 import argparse
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from kvpage import ops  # noqa: E402
+from kvpage.ops import reference  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 DECODE_BATCHES = (1, 8, 32, 64)
@@ -52,7 +55,29 @@ def paged_copy(dense_k, dense_v, generator):
     return key_cache, value_cache, block_tables
 
 
-def decode_case(shape_name, batch, context, dtype, generator):
+def fp8_copy(cache):
+    """An fp8 cache holding cache's values, scaled so the largest magnitude maps to fp8's 448."""
+    scale = max(cache.abs().max().item() / reference.FP8_MAX, 1e-12)
+    fp8 = torch.empty(cache.shape, dtype=torch.float8_e4m3fn)
+    fp8.copy_(reference.quantize_fp8(cache, scale))
+    return fp8, scale
+
+
+def fp8_decode_columns(query, key_cache, value_cache, block_tables, seq_lens, expected, t_paged, iters):
+    (k8, k_scale), (v8, v_scale) = fp8_copy(key_cache), fp8_copy(value_cache)
+    out = torch.empty_like(query)
+
+    def paged_fp8():
+        ops.paged_attention(query, k8, v8, block_tables, seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+
+    paged_fp8()
+    t_fp8 = common.median_time(paged_fp8, iters)
+    kv_bytes = 2 * int(seq_lens.sum()) * k8.shape[1] * k8.shape[3]
+    return {"fp8_ms": t_fp8 * 1e3, "fp8_speedup": t_paged / t_fp8, "fp8_gbs": kv_bytes / t_fp8 / 1e9,
+            "fp8_max_abs_diff": (out.float() - expected.float()).abs().max().item()}
+
+
+def decode_case(shape_name, batch, context, dtype, generator, fp8_cache=False):
     num_heads, num_kv_heads, head_size = SHAPES[shape_name]
     dense_k = torch.randn(batch, num_kv_heads, context, head_size, generator=generator).to(dtype)
     dense_v = torch.randn(batch, num_kv_heads, context, head_size, generator=generator).to(dtype)
@@ -72,9 +97,13 @@ def decode_case(shape_name, batch, context, dtype, generator):
     iters = 5 if batch * context >= 64 * 1024 else 15
     t_paged, t_dense = common.median_time(paged, iters), common.median_time(dense, iters)
     kv_bytes = 2 * dense_k.numel() * dense_k.element_size()
-    return {"kind": "decode", "shape": shape_name, "batch": batch, "context": context,
-            "paged_ms": t_paged * 1e3, "dense_ms": t_dense * 1e3, "ratio": t_paged / t_dense,
-            "kv_bytes": kv_bytes, "paged_gbs": kv_bytes / t_paged / 1e9, "max_abs_diff": error}
+    row = {"kind": "decode", "shape": shape_name, "batch": batch, "context": context,
+           "paged_ms": t_paged * 1e3, "dense_ms": t_dense * 1e3, "ratio": t_paged / t_dense,
+           "kv_bytes": kv_bytes, "paged_gbs": kv_bytes / t_paged / 1e9, "max_abs_diff": error}
+    if fp8_cache:
+        row.update(fp8_decode_columns(query, key_cache, value_cache, block_tables, seq_lens,
+                                      dense().squeeze(2), t_paged, iters))
+    return row
 
 
 def prefill_case(shape_name, num_seqs, seq_len, dtype, generator):
@@ -154,17 +183,19 @@ def run_cpu(args):
         for shape_name in SHAPES:
             for batch in batches:
                 for context in contexts:
-                    rows.append(decode_case(shape_name, batch, context, dtype, generator))
+                    rows.append(decode_case(shape_name, batch, context, dtype, generator, args.fp8_cache))
             for num_seqs, seq_len in PREFILL_CASES[: 1 if args.quick else None]:
                 rows.append(prefill_case(shape_name, num_seqs, seq_len, dtype, generator))
     bandwidth, l3 = common.read_bandwidth_gbs(), l3_bytes()
     judge(rows, bandwidth, l3)
     for r in rows:
-        for key in ("paged_ms", "dense_ms", "ratio", "paged_gbs", "bw_fraction"):
+        for key in ("paged_ms", "dense_ms", "ratio", "paged_gbs", "bw_fraction", "fp8_ms", "fp8_speedup",
+                    "fp8_gbs"):
             if key in r:
                 r[key] = round(r[key], 3)
+    fp8_columns = ["fp8_ms", "fp8_speedup", "fp8_gbs", "fp8_max_abs_diff"] if args.fp8_cache else []
     common.print_table(rows, ["kind", "shape", "batch", "context", "paged_ms", "dense_ms", "ratio",
-                              "paged_gbs", "max_abs_diff"])
+                              "paged_gbs", "max_abs_diff", *fp8_columns])
     print(f"read bandwidth {bandwidth:.2f} GB/s, L3 {l3 >> 20} MiB, isa {ops.cpu_isa()}, "
           f"threads {torch.get_num_threads()}, dtype {args.dtype}")
     decode = [r for r in rows if r["kind"] == "decode" and r["meets_target"] is not None]
@@ -183,6 +214,7 @@ def main():
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small subset, for smoke runs")
     parser.add_argument("--range-checks", action="store_true", help="keep block-table range checks on")
+    parser.add_argument("--fp8-cache", action="store_true", help="decode also over an fp8 copy of the cache")
     args, rest = parser.parse_known_args()
     if args.device == "cuda":
         cuda_bench = Path(__file__).resolve().parent / "kernels_cuda.py"

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <algorithm>
+#include <cmath>
 #include <unordered_set>
 
 namespace kvpage {
@@ -13,6 +14,12 @@ bool is_supported_float(at::ScalarType t) {
 
 bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
+// What a cache of cache_dtype accepts as query / key / value: a compute dtype, the cache's own
+// unless the cache is fp8 (quantised on write, dequantised on read). fp8 itself never computes.
+bool matches_cache(at::ScalarType t, at::ScalarType cache_dtype) {
+  return is_supported_float(t) && (t == cache_dtype || is_fp8_cache(cache_dtype));
+}
+
 }  // namespace
 
 CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -22,8 +29,8 @@ CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_c
   TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(),
                     "value_cache shape ", value_cache.sizes(), " differs from key_cache shape ",
                     key_cache.sizes());
-  TORCH_CHECK_TYPE(is_supported_float(key_cache.scalar_type()),
-                   "key_cache dtype must be float32, float16 or bfloat16, got ",
+  TORCH_CHECK_TYPE(is_supported_float(key_cache.scalar_type()) || is_fp8_cache(key_cache.scalar_type()),
+                   "key_cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got ",
                    key_cache.scalar_type());
   TORCH_CHECK_TYPE(value_cache.scalar_type() == key_cache.scalar_type(),
                    "value_cache dtype ", value_cache.scalar_type(), " differs from key_cache dtype ",
@@ -46,8 +53,9 @@ int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheS
                     const at::Tensor& key_cache) {
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
                     query.dim(), " dims");
-  TORCH_CHECK_TYPE(query.scalar_type() == key_cache.scalar_type(), "query dtype ",
-                   query.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK_TYPE(matches_cache(query.scalar_type(), key_cache.scalar_type()), "query dtype ",
+                   query.scalar_type(), " does not match key_cache dtype ", key_cache.scalar_type(),
+                   " (it must be the same, or float32/float16/bfloat16 with an fp8 cache)");
   TORCH_CHECK_VALUE(query.device() == key_cache.device(),
                     "query must be on the same device as key_cache");
   TORCH_CHECK_VALUE(query.size(2) == cache.head_size, "query head_size ", query.size(2),
@@ -75,10 +83,21 @@ void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
+void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache) {
+  for (const auto& [value, name] : {std::pair<double, const char*>{k_scale, "k_scale"}, {v_scale, "v_scale"}}) {
+    TORCH_CHECK_VALUE(std::isfinite(value) && value > 0.0 && std::isfinite(1.0 / value), name,
+                      " must be a finite positive number, got ", value);
+    TORCH_CHECK_VALUE(value == 1.0 || is_fp8_cache(key_cache.scalar_type()), name, " = ", value,
+                      " applies to fp8 caches only; a ", key_cache.scalar_type(), " cache takes 1.0");
+  }
+}
+
 CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double k_scale, double v_scale) {
   const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_kv_scales(k_scale, v_scale, key_cache);
   check_query(query, out, cache, key_cache);
   check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
@@ -104,8 +123,9 @@ void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& 
   TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == cache.num_kv_heads && t.size(2) == cache.head_size,
                     name, " must be [num_tokens, ", cache.num_kv_heads, ", ", cache.head_size,
                     "] to match the cache, got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == key_cache.scalar_type(), name, " dtype ", t.scalar_type(),
-                   " differs from the cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK_TYPE(matches_cache(t.scalar_type(), key_cache.scalar_type()), name, " dtype ",
+                   t.scalar_type(), " does not match the cache dtype ", key_cache.scalar_type(),
+                   " (it must be the same, or float32/float16/bfloat16 with an fp8 cache)");
   TORCH_CHECK_VALUE(t.device() == key_cache.device(), name, " must be on the cache's device");
   TORCH_CHECK_VALUE(t.stride(2) == 1, name, " must be contiguous in its last dimension");
 }
@@ -114,8 +134,9 @@ void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& 
 
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                             bool check_ranges) {
+                             bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_kv_cache(key_cache, value_cache);
+  check_kv_scales(k_scale, v_scale, key_cache);
   check_token_input(key, "key", key_cache, cache);
   check_token_input(value, "value", key_cache, cache);
   TORCH_CHECK_VALUE(value.size(0) == key.size(0), "value has ", value.size(0), " tokens, key has ",

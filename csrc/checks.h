@@ -8,6 +8,12 @@
 
 namespace kvpage {
 
+// float8_e4m3fn caches store K/V quantised with per-tensor scales (ops.h).
+inline bool is_fp8_cache(at::ScalarType t) { return t == at::kFloat8_e4m3fn; }
+
+// k_scale / v_scale: finite and positive; anything but 1.0 only for an fp8 cache.
+void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache);
+
 struct CacheShape {
   int64_t num_blocks, num_kv_heads, block_size, head_size;
 };
@@ -25,7 +31,8 @@ void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt
 // Shapes, dtypes and devices of an attention call (no index data read); returns the cache shape.
 CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens);
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double k_scale, double v_scale);
 
 // Decode: one query token per sequence; partition_size 0 (auto) or a multiple of block_size.
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
@@ -34,7 +41,7 @@ void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t p
 // reshape_and_cache's arguments; the slot range check (reads slot_mapping) when check_ranges.
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                             bool check_ranges);
+                             bool check_ranges, double k_scale, double v_scale);
 
 // copy_blocks' per-layer caches: all alike; returns num_blocks (0 for no layers).
 int64_t check_layer_caches(at::TensorList key_caches, at::TensorList value_caches);

@@ -5,6 +5,11 @@
 //   Token at slot s lives in block s / block_size at offset s % block_size.
 // One (block, kv head) is a contiguous [block_size, head_size] tile, so attention streams
 // whole tiles and a GQA group reads each KV head's tile once.
+//
+// Cache dtypes: the query's (float32, float16, bfloat16), or float8_e4m3fn with any of them: an
+// fp8 cache holds round_to_nearest_even(clamp(x * (1 / scale), -448, 448)) with one per-tensor
+// k_scale / v_scale (vLLM's kv_cache_dtype="fp8"), and attention reads code * scale. The scales
+// must be 1.0 for the other cache dtypes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,20 +21,21 @@
 // them under the CPU and CUDA dispatch keys of torch.ops.kvpage.
 #define KVPAGE_DECLARE_OPS                                                                          \
   /* key/value [num_tokens, num_kv_heads, head_size] into the caches at slot_mapping            \
-     (int64 [num_tokens]; -1 skips the token). */                                                \
+     (int64 [num_tokens]; -1 skips the token). An fp8 cache stores x / scale, saturated. */     \
   void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,   \
                          at::Tensor& value_cache, const at::Tensor& slot_mapping,                 \
-                         bool check_ranges);                                                      \
+                         bool check_ranges, double k_scale, double v_scale);                      \
   /* Decode, one query token per sequence; partition_size 0 picks single-pass vs partitioned. */  \
   void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,     \
                        const at::Tensor& value_cache, const at::Tensor& block_tables,            \
                        const at::Tensor& seq_lens, double scale, int64_t partition_size,         \
-                       bool check_ranges);                                                        \
+                       bool check_ranges, double k_scale, double v_scale);                        \
   /* Varlen causal prefill over the paged cache (chunked prefill, prefix hits). */               \
   void paged_prefill_attention(at::Tensor& out, const at::Tensor& query,                         \
                                const at::Tensor& key_cache, const at::Tensor& value_cache,       \
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc, \
-                               const at::Tensor& seq_lens, double scale, bool check_ranges);     \
+                               const at::Tensor& seq_lens, double scale, bool check_ranges,      \
+                               double k_scale, double v_scale);                                   \
   /* block_mapping int64 [n, 2] of (src, dst); every layer in one call. */                       \
   void copy_blocks(at::TensorList key_caches,                                                    \
                    at::TensorList value_caches, const at::Tensor& block_mapping,                 \

@@ -14,14 +14,18 @@ constexpr int64_t kDefaultPartitionTokens = 512;
 DType to_dtype(at::ScalarType t) {
   if (t == at::kHalf) return DType::kHalf;
   if (t == at::kBFloat16) return DType::kBFloat16;
+  if (t == at::kFloat8_e4m3fn) return DType::kFloat8E4M3;
   return DType::kFloat;
 }
 
 AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, const CacheShape& cache, double scale) {
+                        const at::Tensor& seq_lens, const CacheShape& cache, double scale,
+                        double k_scale, double v_scale) {
   AttentionArgs a{};
   a.dtype = to_dtype(query.scalar_type());
+  a.cache_dtype = to_dtype(key_cache.scalar_type());
+  a.k_scale = static_cast<float>(k_scale), a.v_scale = static_cast<float>(v_scale);
   a.out = out.data_ptr();
   a.out_token_stride = out.stride(0), a.out_head_stride = out.stride(1);
   a.query = query.data_ptr();
@@ -40,8 +44,10 @@ AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tens
 // Validation shared by decode and prefill; returns the cache shape.
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
-  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens);
+                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
+                           double k_scale, double v_scale) {
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                  k_scale, v_scale);
   check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
   if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache);
   return cache;
@@ -87,12 +93,13 @@ WorkSplit split_work(int64_t num_seqs, const ItemsOf& items_of) {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges) {
+                     bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           1, check_ranges);
+                                           1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
   if (query.size(0) == 0) return;
-  const AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  const AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
+                                    k_scale, v_scale);
 
   DecodePlan plan{};
   plan.partition_size = choose_partition_size(a, partition_size);
@@ -124,13 +131,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             double scale, bool check_ranges) {
+                             double scale, bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           0, check_ranges);
+                                           0, check_ranges, k_scale, v_scale);
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
   check_query_start_loc(query_start_loc, seq_lens, query.size(0));
   if (query.size(0) == 0) return;
-  AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
+                              k_scale, v_scale);
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
 
   // A tile of query tokens times the GQA group: ~4096 fp32 accumulators, comfortably in L1/L2.

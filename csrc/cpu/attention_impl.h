@@ -32,7 +32,7 @@ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #include "gemm_impl.h"
 
-int64_t element_size(DType t) { return t == DType::kFloat ? 4 : 2; }
+int64_t element_size(DType t) { return t == DType::kFloat ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
 
 // Online-softmax step: the chunk's scores stay in L1/L2, and a whole chunk of V tiles (then of the
 // next K tiles) is prefetched while the current ones are used.
@@ -44,7 +44,7 @@ struct Scratch {
   float* m;      // [rows] running max
   float* l;      // [rows] running sum of exp
   float* score;  // [rows, chunk]
-  float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit caches
+  float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit and fp8 caches
   float* vbuf;   // [chunk, head_size]
 };
 
@@ -66,6 +66,12 @@ Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
   return s;
 }
 
+// What one unit of a converted K or V tile is worth: 1 for float caches; for fp8 caches the
+// cache's scale times kFp8HalfFactor, applied to q (keys) and to the normalised output (values).
+float cache_unit(const AttentionArgs& a, float scale) {
+  return a.cache_dtype == DType::kFloat8E4M3 ? scale * kFp8HalfFactor : 1.f;
+}
+
 struct KVSource {
   const AttentionArgs& a;
   const int32_t* table;  // this sequence's block_tables row
@@ -73,14 +79,19 @@ struct KVSource {
 
   const char* tile_address(const void* cache, int64_t b) const {
     const int64_t offset = ((int64_t(table[b]) * a.num_kv_heads + kv_head) * a.block_size) * a.head_size;
-    return static_cast<const char*>(cache) + offset * element_size(a.dtype);
+    return static_cast<const char*>(cache) + offset * element_size(a.cache_dtype);
   }
 
-  // Pointer to a [n, head_size] fp32 view of K or V for logical block b; 16-bit caches convert into buf.
+  // Pointer to a [n, head_size] fp32 view of K or V for logical block b; 16-bit and fp8 caches
+  // convert into buf (fp8: in units of cache_unit(), see load_fp8_as_scaled_float).
   const float* tile(const void* cache, int64_t b, int64_t n, float* buf) const {
     const char* base = tile_address(cache, b);
-    if (a.dtype == DType::kFloat) return reinterpret_cast<const float*>(base);
-    load_as_float(a.dtype, base, buf, n * a.head_size);
+    if (a.cache_dtype == DType::kFloat) return reinterpret_cast<const float*>(base);
+    if (a.cache_dtype == DType::kFloat8E4M3) {
+      load_fp8_as_scaled_float(base, buf, n * a.head_size);
+    } else {
+      load_as_float(a.cache_dtype, base, buf, n * a.head_size);
+    }
     return buf;
   }
 
@@ -88,7 +99,7 @@ struct KVSource {
   // within a page, cannot see the next one coming: ask for it while this one is being used.
   void prefetch(const void* cache, int64_t b, int64_t n) const {
     const char* base = tile_address(cache, b);
-    const int64_t bytes = n * a.head_size * element_size(a.dtype);
+    const int64_t bytes = n * a.head_size * element_size(a.cache_dtype);
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
   }
 };
@@ -155,19 +166,20 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
 void load_query(const AttentionArgs& a, int64_t token, int64_t head0, int64_t group, int64_t row0,
                 Scratch& s) {
   const int64_t d = a.head_size;
+  const float factor = a.scale * cache_unit(a, a.k_scale);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t elem = token * a.q_token_stride + (head0 + g) * a.q_head_stride;
     float* q = s.q + (row0 + g) * d;
     load_as_float(a.dtype, static_cast<const char*>(a.query) + elem * element_size(a.dtype), q, d);
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) q[i] *= a.scale;
+    for (int64_t i = 0; i < d; ++i) q[i] *= factor;
   }
 }
 
 void store_normalised(const AttentionArgs& a, int64_t token, int64_t head, const float* acc,
                       float l, float* tmp) {
   const int64_t d = a.head_size;
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float inv = l > 0.f ? cache_unit(a, a.v_scale) / l : 0.f;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) tmp[i] = acc[i] * inv;
   const int64_t elem = token * a.out_token_stride + head * a.out_head_stride;

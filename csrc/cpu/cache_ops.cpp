@@ -2,7 +2,9 @@
 // so plain memcpy on torch's threads; nothing ISA-specific.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "../checks.h"
@@ -10,9 +12,53 @@
 
 namespace kvpage {
 namespace cpu {
+namespace {
+
+// One head's row into an fp8 cache: x * inverse_scale saturated to +-448, then c10's own
+// round-to-nearest-even conversion (what torch's .to(float8_e4m3fn) does).
+template <typename T>
+void quantize_row(const T* in, uint8_t* out, int64_t n, float inverse_scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = std::clamp(static_cast<float>(in[i]) * inverse_scale, -448.f, 448.f);
+    out[i] = c10::detail::fp8e4m3fn_from_fp32_value(x);
+  }
+}
+
+// The write for fp8 caches: per token and head, quantise instead of copying. Only this step's
+// tokens pass through here, so a scalar loop costs little next to the layer's matmuls.
+void write_fp8(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, const CacheShape& cache,
+               double scale) {
+  const float inverse_scale = static_cast<float>(1.0 / scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "reshape_and_cache_fp8", [&] {
+    const scalar_t* in = src.data_ptr<scalar_t>();
+    uint8_t* base = static_cast<uint8_t*>(dst.data_ptr());
+    at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t block = slots[t] / cache.block_size, offset = slots[t] % cache.block_size;
+        for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
+          const int64_t tile = (block * cache.num_kv_heads + h) * cache.block_size + offset;
+          quantize_row(in + t * src.stride(0) + h * src.stride(1), base + tile * cache.head_size,
+                       cache.head_size, inverse_scale);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges) {
-  const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges);
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges,
+                       double k_scale, double v_scale) {
+  const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges,
+                                             k_scale, v_scale);
+  if (is_fp8_cache(key_cache.scalar_type())) {
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    write_fp8(key, key_cache, slots, cache, k_scale);
+    write_fp8(value, value_cache, slots, cache, v_scale);
+    return;
+  }
 
   const int64_t es = key.element_size(), row_bytes = cache.head_size * es;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();

@@ -9,10 +9,13 @@
 namespace kvpage {
 namespace cpu {
 
-enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+// kFloat8E4M3 is a cache dtype only (float8_e4m3fn codes; value = code * scale).
+enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 
 struct AttentionArgs {
-  DType dtype;
+  DType dtype;        // query and out
+  DType cache_dtype;  // key_cache and value_cache: dtype, or kFloat8E4M3
+  float k_scale, v_scale;  // fp8 caches: what a code is worth (1.0 otherwise)
   void* out;
   int64_t out_token_stride, out_head_stride;
   const void* query;

@@ -98,6 +98,36 @@ inline void load_as_float(kvpage::cpu::DType dtype, const void* src, float* dst,
 #endif
 }
 
+// float8_e4m3fn codes read as fp16: the code's sign, exponent and mantissa bits moved into fp16's
+// fields make an fp16 worth exactly 2^-8 of the fp8 value (subnormals included), so the hardware's
+// fp16 conversion does the work. Callers fold kFp8HalfFactor (and the cache's scale) into a factor
+// they apply anyway: q's softmax scale for K, the output normalisation for V. NaN codes (0x7f,
+// 0xff) read as +-480 / 256; reshape_and_cache never writes them (it saturates to +-448).
+constexpr float kFp8HalfFactor = 256.f;
+
+inline uint16_t fp8e4m3_as_half_bits(uint8_t code) {
+  return uint16_t((code & 0x80u) << 8 | (code & 0x7fu) << 7);
+}
+
+// n (a multiple of 16) fp8 codes -> fp32, each worth 1 / kFp8HalfFactor of the code's value.
+inline void load_fp8_as_scaled_float(const void* src, float* dst, int64_t n) {
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+#if defined(KVPAGE_VEC_AVX2)
+  // code << 8 (interleaved under a zero byte), arithmetic shift right by one and clear bit 14:
+  // sign at bit 15, exponent and mantissa at bits 7-13. Three integer ops per 8 codes.
+  const __m128i zero = _mm_setzero_si128(), clear_bit14 = _mm_set1_epi16(int16_t(0xbfff));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m128i codes = _mm_loadu_si128((const __m128i*)(s + i));
+    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, codes), 1), clear_bit14);
+    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, codes), 1), clear_bit14);
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(lo));
+    _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(hi));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(fp8e4m3_as_half_bits(s[i]));
+#endif
+}
+
 inline void store_from_float(kvpage::cpu::DType dtype, const float* src, void* dst, int64_t n) {
   using kvpage::cpu::DType;
   if (dtype == DType::kFloat) {

@@ -1,4 +1,5 @@
-// Paged varlen causal prefill, FlashAttention-2 style on tensor cores (fp16 / bf16, sm_80+).
+// Paged varlen causal prefill, FlashAttention-2 style on tensor cores (fp16 / bf16 caches with
+// queries of the same dtype, sm_80+; the other caches prefill through attention_decode).
 //
 // One CTA takes a tile of 64 query tokens of one sequence and one query head; its 4 warps own
 // 16 query rows each. K/V tiles of kBlockN cache positions are gathered through the block table
@@ -272,19 +273,27 @@ cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_
 
 }  // namespace
 
-bool prefill_uses_tensor_cores(DType dtype) { return dtype != DType::kFloat; }
+// fp16 / bf16 caches only. fp32 and fp8 caches prefill through the SIMT decode kernel (one CTA
+// per query token, single pass): this kernel stages K/V with cp.async straight from the cache
+// into the mma operand layout, which fp8 codes would first need dequantising out of. The SIMT
+// path re-reads a sequence's K/V per query token (mostly from L2), so long fp8 prefills are
+// much slower than fp16 ones: a known cost until an fp8-aware tensor-core prefill exists.
+bool prefill_uses_tensor_cores(const AttentionParams& p) {
+  return p.cache_dtype == p.dtype && (p.dtype == DType::kHalf || p.dtype == DType::kBFloat16);
+}
 
 cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream) {
+  if (!prefill_uses_tensor_cores(p)) return cudaErrorInvalidValue;
   if (p.num_rows == 0 || p.num_seqs == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
-  auto by_head = [&](auto t) {
+  dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch_head_size(p.head_size, [&](auto head) {
-      err = launch_typed<T, decltype(head)::value>(p, workspace, stream);
-    });
-  };
-  if (p.dtype == DType::kHalf) by_head(__half{});
-  if (p.dtype == DType::kBFloat16) by_head(__nv_bfloat16{});
+    if constexpr (!std::is_same<T, float>::value) {
+      dispatch_head_size(p.head_size, [&](auto head) {
+        err = launch_typed<T, decltype(head)::value>(p, workspace, stream);
+      });
+    }
+  });
   return err;
 }
 

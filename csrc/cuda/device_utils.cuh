@@ -1,9 +1,11 @@
-// Device helpers shared by the kernels: element conversion, 16-byte vectors, tensor-core and
-// async-copy PTX wrappers, and the one place where dtype and head size become template arguments.
+// Device helpers shared by the kernels: element conversion (fp8 codes included), 16- and 8-byte
+// vectors, tensor-core and async-copy PTX wrappers, and the one place where dtypes and head size
+// become template arguments.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -32,42 +34,82 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// One 16-byte vector (uint4) of T as floats: 4 for fp32, 8 for fp16/bf16.
-template <typename T>
-struct Vec16 {
-  static constexpr int kElems = 16 / sizeof(T);
+// An fp8 cache's element: one float8_e4m3fn code (value = code * the cache's scale). A type of
+// its own so templates can tell caches apart; the bytes are CUDA's __nv_fp8_storage_t.
+struct Fp8E4M3 {
+  __nv_fp8_storage_t code;
 };
+static_assert(sizeof(Fp8E4M3) == 1, "one byte per fp8 code");
 
+// Packed 32-bit words -> floats, exactly: 1 fp32, 2 fp16 / bf16 or 4 fp8 values per word.
 template <typename T>
-__device__ __forceinline__ void unpack16(const uint4& v, float* f);
+__device__ __forceinline__ void unpack_word(uint32_t w, float* f);
 template <>
-__device__ __forceinline__ void unpack16<float>(const uint4& v, float* f) {
-  f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y);
-  f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
+__device__ __forceinline__ void unpack_word<float>(uint32_t w, float* f) {
+  f[0] = __uint_as_float(w);
 }
 template <>
-__device__ __forceinline__ void unpack16<__half>(const uint4& v, float* f) {
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(h[i]);
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
-  }
+__device__ __forceinline__ void unpack_word<__half>(uint32_t w, float* f) {
+  const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  f[0] = x.x, f[1] = x.y;
 }
 template <>
-__device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& v, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+__device__ __forceinline__ void unpack_word<__nv_bfloat16>(uint32_t w, float* f) {
+  const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  f[0] = x.x, f[1] = x.y;
+}
+
+// Two e4m3 codes (the low 16 bits of pair, first code lowest) as an exact half2.
+__device__ __forceinline__ __half2 fp8x2_to_half2(uint32_t pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // Ada / Hopper convert in hardware (one cvt.f16x2.e4m3x2).
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3));
+#else
+  // Ampere has no fp8 instructions: each code's sign, exponent and mantissa bits, moved into an
+  // fp16's fields (code << 8, magnitude shifted right by one), form an fp16 worth exactly 2^-8
+  // of the code's value, subnormals included (e4m3's bias is 8 below fp16's); the multiply by
+  // 256 is exact. NaN codes (0x7f, 0xff) read as +-480 here, as in the CPU kernels;
+  // reshape_and_cache never writes them (it saturates).
+  const uint32_t r = __byte_perm(pair, 0u, 0x1404);  // bytes [0, code0, 0, code1]
+  const uint32_t bits = (r & 0x80008000u) | ((r & 0x7f007f00u) >> 1);
+  return __hmul2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(256.f));
+#endif
+}
+template <>
+__device__ __forceinline__ void unpack_word<Fp8E4M3>(uint32_t w, float* f) {
+  const float2 lo = __half22float2(fp8x2_to_half2(w));
+  const float2 hi = __half22float2(fp8x2_to_half2(w >> 16));
+  f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
+}
+
+// A loaded vector V (uint4: 16 bytes, uint2: 8 bytes) of T elements as sizeof(V) / sizeof(T) floats.
+template <typename T, typename V>
+__device__ __forceinline__ void unpack(const V& v, float* f) {
+  constexpr int kWords = sizeof(V) / 4, kPerWord = 4 / sizeof(T);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x, f[2 * i + 1] = x.y;
+  for (int i = 0; i < kWords; ++i) unpack_word<T>(w[i], f + i * kPerWord);
+}
+
+// Eight floats times inverse_scale as eight e4m3 codes (first in the lowest byte): round to
+// nearest even, saturated to +-448 (SATFINITE: infinities too), the CPU kernels' and
+// reference.quantize_fp8's formula. The product is a plain fp32 multiply, never fused.
+__device__ __forceinline__ uint2 quantize_fp8x8(const float* f, float inverse_scale) {
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const float2 x = make_float2(__fmul_rn(f[i], inverse_scale), __fmul_rn(f[i + 1], inverse_scale));
+    const uint32_t pair = __nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, __NV_E4M3);  // x.x in the low byte
+    w[i / 4] |= pair << (16 * ((i / 2) % 2));
   }
+  return make_uint2(w[0], w[1]);
 }
 
 // KV streams are read once per CTA: bypass L1 allocation but keep L2 (other query groups of
-// the same KV head may follow).
-__device__ __forceinline__ uint4 load_stream16(const void* p) {
-  return __ldcg(reinterpret_cast<const uint4*>(p));
+// the same KV head may follow). V: uint4 or uint2.
+template <typename V>
+__device__ __forceinline__ V load_stream(const void* p) {
+  return __ldcg(reinterpret_cast<const V*>(p));
 }
 
 // Two floats as one 32-bit register of two 16-bit values (low half = first), the A-operand
@@ -144,14 +186,24 @@ bool dispatch_head_size(int head_size, F&& f) {
   return false;
 }
 
+// The compute dtypes (query, out, keys / values written into a cache); false for kFp8E4M3.
 template <typename F>
 bool dispatch_dtype(DType dtype, F&& f) {
   switch (dtype) {
     case DType::kFloat: return f(float{}), true;
     case DType::kHalf: return f(__half{}), true;
     case DType::kBFloat16: return f(__nv_bfloat16{}), true;
+    case DType::kFp8E4M3: break;
   }
   return false;
+}
+
+// Attention's (query / out type, cache element type): the query's own dtype, or fp8 codes with
+// any query dtype. false for any other pair.
+template <typename F>
+bool dispatch_attention_dtypes(DType query, DType cache, F&& f) {
+  if (cache == DType::kFp8E4M3) return dispatch_dtype(query, [&](auto q) { f(q, Fp8E4M3{}); });
+  return cache == query && dispatch_dtype(query, [&](auto q) { f(q, q); });
 }
 
 // Decode CTAs serve up to this many query heads of one GQA group: 1 (MHA), 4 (group 2..4,

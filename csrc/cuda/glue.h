@@ -16,10 +16,15 @@
 namespace kvpage {
 namespace cuda {
 
+// The kernels' dtype code of a tensor dtype the shared checks (checks.h) have accepted.
 inline DType to_dtype(at::ScalarType t) {
-  if (t == at::kHalf) return DType::kHalf;
-  if (t == at::kBFloat16) return DType::kBFloat16;
-  return DType::kFloat;
+  switch (t) {
+    case at::kFloat: return DType::kFloat;
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFp8E4M3;
+    default: TORCH_CHECK_TYPE(false, "kvpage CUDA kernels have no ", t, " variant");
+  }
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

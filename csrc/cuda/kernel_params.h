@@ -14,14 +14,22 @@
 namespace kvpage {
 namespace cuda {
 
-enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+// kFp8E4M3 is a cache dtype only (float8_e4m3fn codes, value = code * scale); queries, outputs
+// and the keys / values written into a cache are one of the other three.
+enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2, kFp8E4M3 = 3 };
+
+__host__ __device__ constexpr int dtype_size(DType t) {
+  return t == DType::kFloat ? 4 : t == DType::kFp8E4M3 ? 1 : 2;
+}
 
 // Query rows attend over one sequence's paged K/V. Decode: row r is sequence r and sees all
 // seq_lens[r] tokens. Prefill (query_start_loc set): row r is a query token; it belongs to the
 // sequence s with query_start_loc[s] <= r < query_start_loc[s + 1] and sees the cache
 // positions <= seq_lens[s] - q_len[s] + (r - query_start_loc[s]).
 struct AttentionParams {
-  DType dtype;
+  DType dtype;        // query and out
+  DType cache_dtype;  // key_cache and value_cache: dtype, or kFp8E4M3 with any query dtype
+  float k_scale, v_scale;  // an fp8 code in key / value cache is worth code * scale; 1 otherwise
   void* out;  // [num_rows, num_heads, head_size], last dim contiguous
   int64_t out_row_stride, out_head_stride;
   const void* query;  // same shape as out
@@ -50,26 +58,32 @@ struct DecodeWork {
   float* tmp_sum;  // [num_rows, num_heads, max_partitions]
 };
 
-// Decode, and fp32 prefill (prefill rows through the same SIMT kernel, single pass).
+// Decode, and the prefill the tensor-core kernel does not serve (fp32 and fp8 caches: prefill
+// rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);
 
-// Tensor-core prefill for fp16/bf16. workspace: num_seqs + 1 ints of device scratch. query
-// must be 16-byte aligned with row/head strides that are multiples of 8 elements.
+// Tensor-core prefill for fp16/bf16 caches. workspace: num_seqs + 1 ints of device scratch.
+// query must be 16-byte aligned with row/head strides that are multiples of 8 elements.
 cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream);
-// Whether launch_paged_prefill serves this dtype (fp32 takes launch_paged_decode).
-bool prefill_uses_tensor_cores(DType dtype);
+// Whether launch_paged_prefill serves these dtypes (the rest take launch_paged_decode).
+bool prefill_uses_tensor_cores(const AttentionParams& p);
+
+// One of the two tensors reshape_and_cache writes (key into key_cache, value into value_cache).
+struct CacheWriteSource {
+  const void* data;  // [num_tokens, num_kv_heads, head_size], strides in elements
+  int64_t token_stride, head_stride;
+  DType dtype;       // the cache's, or any compute dtype for an fp8 cache
+  bool vectorized;   // base and strides allow 16-byte loads
+  float inverse_scale;  // fp8 caches store x * inverse_scale (float(1.0 / scale)), saturated
+  void* cache;
+};
 
 struct CacheWriteParams {
-  int element_size;  // bytes: 2 or 4
-  const void* key;   // [num_tokens, num_kv_heads, head_size], strides in elements
-  const void* value;
-  int64_t key_token_stride, key_head_stride, value_token_stride, value_head_stride;
-  void* key_cache;
-  void* value_cache;
+  CacheWriteSource key, value;
+  DType cache_dtype;
   const int64_t* slot_mapping;  // [num_tokens], -1 skips
   int64_t num_tokens, num_slots;
   int num_kv_heads, block_size, head_size;
-  bool vectorized;  // key/value bases and strides allow 16-byte loads
 };
 cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream);
 

@@ -26,8 +26,10 @@ constexpr int64_t kSinglePassCtasPerSm = 8;
 
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges) {
-  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens);
+                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
+                           double k_scale, double v_scale) {
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                  k_scale, v_scale);
   TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
                     "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
   as_int(cache.num_blocks, "key_cache.size(0)");
@@ -42,9 +44,13 @@ CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const
 
 AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const CacheShape& cache, double scale) {
+                            const at::Tensor& seq_lens, const CacheShape& cache, double scale,
+                            double k_scale, double v_scale) {
   AttentionParams p{};
   p.dtype = to_dtype(query.scalar_type());
+  p.cache_dtype = to_dtype(key_cache.scalar_type());
+  // Rounded to float once, like the reference: an fp8 code reads as code * float(scale).
+  p.k_scale = static_cast<float>(k_scale), p.v_scale = static_cast<float>(v_scale);
   p.out = out.data_ptr();
   p.out_row_stride = out.stride(0), p.out_head_stride = out.stride(1);
   p.query = query.data_ptr();
@@ -67,13 +73,14 @@ AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges) {
+                     bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           1, check_ranges);
+                                           1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
-  AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
+                                  k_scale, v_scale);
 
   // The longest sequence is unknown without a sync; the table width bounds it. Partitions past
   // a sequence's end exit at once, and the reduce only reads the ones that exist.
@@ -101,9 +108,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             double scale, bool check_ranges) {
+                             double scale, bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           0, check_ranges);
+                                           0, check_ranges, k_scale, v_scale);
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
   TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1,
                     "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
@@ -115,20 +122,24 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
     out.zero_();
     return;
   }
-  // The tensor-core kernel stages Q with 16-byte copies; a misaligned view gets an aligned copy.
-  at::Tensor q = query;
-  const int64_t vec = 16 / query.element_size();
-  if (!aligned16(query.data_ptr()) || query.stride(0) % vec || query.stride(1) % vec) {
-    q = query.clone(at::MemoryFormat::Contiguous);
-  }
-  AttentionParams p = make_params(out, q, key_cache, value_cache, block_tables, seq_lens, cache, scale);
+  AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
+                                  k_scale, v_scale);
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  if (prefill_uses_tensor_cores(p.dtype)) {
+  if (prefill_uses_tensor_cores(p)) {
+    // The tensor-core kernel stages Q with 16-byte copies; a misaligned view gets an aligned copy.
+    at::Tensor q = query;
+    const int64_t vec = 16 / query.element_size();
+    if (!aligned16(query.data_ptr()) || query.stride(0) % vec || query.stride(1) % vec) {
+      q = query.clone(at::MemoryFormat::Contiguous);
+      p.query = q.data_ptr();
+      p.q_row_stride = q.stride(0), p.q_head_stride = q.stride(1);
+    }
     at::Tensor offsets = at::empty({seq_lens.size(0) + 1}, seq_lens.options());
     C10_CUDA_CHECK(launch_paged_prefill(p, offsets.data_ptr<int32_t>(), current_stream()));
   } else {
-    // fp32: every query token is a row of the SIMT decode kernel, single pass, causal limit
-    // from its position.
+    // fp32 and fp8 caches: every query token is a row of the SIMT decode kernel, single pass,
+    // causal limit from its position (see attention_prefill.cu for why fp8 is not on tensor
+    // cores). That kernel reads q element by element, so any view works.
     C10_CUDA_CHECK(launch_paged_decode(p, DecodeWork{}, current_stream()));
   }
 }

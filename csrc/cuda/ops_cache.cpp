@@ -1,6 +1,7 @@
-// CUDA cache ops: reshape_and_cache (scatter by slot mapping), copy_blocks (all layers, one
-// launch) and swap_blocks (GPU <-> pinned host, one launch). block_mapping is a CPU tensor, so
-// its checks never sync; the (pointer table, pairs) go to the device in one async upload.
+// CUDA cache ops: reshape_and_cache (scatter by slot mapping; quantises into fp8 caches),
+// copy_blocks (all layers, one launch) and swap_blocks (GPU <-> pinned host, one launch).
+// block_mapping is a CPU tensor, so its checks never sync; the (pointer table, pairs) go to the
+// device in one async upload.
 // Swaps are ordered on the current stream like any kernel: a caller that reads swapped-out host
 // blocks on the CPU synchronises that stream first.
 #include <ATen/ATen.h>
@@ -44,31 +45,42 @@ void run_block_copy(std::vector<int64_t>& words, int num_tensors, const at::Tens
                                    base + 5 * int64_t(num_tensors), n, max_bytes, aligned, current_stream()));
 }
 
+// key or value (any strides the checks allow) and the cache it goes into. scale: what one fp8
+// code is worth; the kernel multiplies by float(1.0 / scale), the reciprocal rounded once as in
+// reference.quantize_fp8.
+CacheWriteSource write_source(const at::Tensor& src, at::Tensor& cache, double scale) {
+  CacheWriteSource s{};
+  s.data = src.data_ptr();
+  s.token_stride = src.stride(0), s.head_stride = src.stride(1);
+  s.dtype = to_dtype(src.scalar_type());
+  const int64_t vec = 16 / src.element_size();
+  s.vectorized = aligned16(s.data) && s.token_stride % vec == 0 && s.head_stride % vec == 0;
+  s.inverse_scale = static_cast<float>(1.0 / scale);
+  s.cache = cache.data_ptr();
+  return s;
+}
+
 }  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges) {
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges,
+                       double k_scale, double v_scale) {
   // The slot range check copies slot_mapping to the host: the documented sync.
-  const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges);
+  const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges,
+                                             k_scale, v_scale);
   TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
                     "key_cache and value_cache must be 16-byte aligned (use allocate_kv_cache)");
   if (key.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
 
   CacheWriteParams p{};
-  p.element_size = static_cast<int>(key.element_size());
-  p.key = key.data_ptr(), p.value = value.data_ptr();
-  p.key_token_stride = key.stride(0), p.key_head_stride = key.stride(1);
-  p.value_token_stride = value.stride(0), p.value_head_stride = value.stride(1);
-  p.key_cache = key_cache.data_ptr(), p.value_cache = value_cache.data_ptr();
+  p.key = write_source(key, key_cache, k_scale);
+  p.value = write_source(value, value_cache, v_scale);
+  p.cache_dtype = to_dtype(key_cache.scalar_type());
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.num_tokens = key.size(0), p.num_slots = cache.num_blocks * cache.block_size;
   p.num_kv_heads = static_cast<int>(cache.num_kv_heads);
   p.block_size = static_cast<int>(cache.block_size), p.head_size = static_cast<int>(cache.head_size);
-  const int64_t vec = 16 / p.element_size;
-  p.vectorized = aligned16(p.key) && aligned16(p.value) && p.key_token_stride % vec == 0 &&
-                 p.key_head_stride % vec == 0 && p.value_token_stride % vec == 0 &&
-                 p.value_head_stride % vec == 0;
   C10_CUDA_CHECK(launch_reshape_and_cache(p, current_stream()));
 }
 

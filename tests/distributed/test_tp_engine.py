@@ -141,3 +141,19 @@ def test_one_kv_head_is_replicated_on_both_ranks():
         assert dist.is_initialized() and dist.get_world_size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_8_kv_heads_fp8_cache(tiny):
+    """kv_cache_dtype="fp8" reaches every rank: each holds its half of the heads in float8_e4m3fn (an
+    eighth of TP=1's fp32 bytes), and greedy tokens follow TP=1's fp8 engine."""
+    model, prompts, _ = tiny
+    want = kvpage.LLM(model=model, num_kv_blocks=256, kv_cache_dtype="fp8").generate(prompts, GREEDY, use_tqdm=False)
+    full = kvpage.LLM(model=model, num_kv_blocks=256).stats()["kv_cache_bytes_per_rank"][0]
+    tp2 = kvpage.LLM(model=model, num_kv_blocks=256, tensor_parallel_size=2, kv_cache_dtype="fp8")
+    try:
+        got = tp2.generate(prompts, GREEDY, use_tqdm=False)
+        assert tp2.stats()["kv_cache_bytes_per_rank"] == [full // 8, full // 8]
+        assert all(k.dtype == torch.float8_e4m3fn for kv in tp2.runner.runner.kv_caches for k in kv)
+    finally:
+        tp2.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -54,7 +54,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, **kwargs):
     return refs
 
 
-def assert_greedy_matches(outputs, refs, pad_token_id=None) -> int:
+def assert_greedy_matches(outputs, refs, pad_token_id=None, tie_tolerance=TIE_TOLERANCE) -> int:
     """Token-for-token equality with HF, except at a near-tie (see TIE_TOLERANCE). Returns the ties."""
     ties = 0
     for k, (out, (expected, logits)) in enumerate(zip(outputs, refs)):
@@ -64,7 +64,7 @@ def assert_greedy_matches(outputs, refs, pad_token_id=None) -> int:
         for i, (a, b) in enumerate(zip(got, expected)):
             if a != b:
                 gap = (logits[i][b] - logits[i][a]).item()
-                assert abs(gap) < TIE_TOLERANCE, (
+                assert abs(gap) < tie_tolerance, (
                     f"prompt {k} token {i}: kvpage chose {a}, HF {b}; logit gap {gap:.3g} is no tie\n"
                     f"kvpage {got}\nHF     {expected}")
                 ties += 1

@@ -100,6 +100,7 @@ class TensorParallelExecutor:
         self.device = session.group.device
         self.runner = None
         self.block_size = 0
+        self.cache_dtype = self.model.dtype
         self.kv_cache_bytes: list[tuple[int, int]] = []  # per rank: (device pool, host pool) bytes
         self.step_log: list[StepRecord] | None = None
         self._failure: str | None = None
@@ -120,10 +121,12 @@ class TensorParallelExecutor:
 
     # -- sizing ----------------------------------------------------------------------------------
 
-    def rank_bytes_per_block(self, block_size: int) -> list[int]:
+    def rank_bytes_per_block(self, block_size: int, cache_dtype: torch.dtype | None = None) -> list[int]:
+        """cache_dtype: default the allocated caches' (before allocate: the model's)."""
         from kvpage.model import kv_cache_bytes_per_block
 
-        return [kv_cache_bytes_per_block(self.model.config, block_size, self.model.dtype, s.num_kv_heads)
+        cache_dtype = cache_dtype or self.cache_dtype
+        return [kv_cache_bytes_per_block(self.model.config, block_size, cache_dtype, s.num_kv_heads)
                 for s in self.plan.ranks]
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -133,9 +136,12 @@ class TensorParallelExecutor:
     def min_free_device_bytes(self) -> int:
         return min(r.free_device_bytes for r in self.reports)
 
-    def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int) -> None:
-        """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool)."""
-        h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks)
+    def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
+                 cache_dtype: torch.dtype | None = None) -> None:
+        """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
+        cache_dtype: the model's dtype (None) or float8_e4m3fn."""
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, fp8)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]
@@ -145,6 +151,7 @@ class TensorParallelExecutor:
             raise RuntimeError(f"tensor-parallel ranks {failed} could not allocate their KV cache of {num_kv_blocks}"
                                f" blocks (see their output above); try a smaller num_kv_blocks")
         self.block_size = block_size
+        self.cache_dtype = self.runner.cache_dtype
         self.kv_cache_bytes = sizes
 
     # -- steps -----------------------------------------------------------------------------------

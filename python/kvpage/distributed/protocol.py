@@ -31,8 +31,8 @@ _SLOTS = ("kind", "message", "num_seqs", "num_tokens", "width", "num_sampled", "
 KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN, MAX_SEQ_LEN, \
     PAYLOAD_LEN = range(len(_SLOTS))
 HEADER_LEN = len(_SLOTS)
-# An ALLOCATE message's fields, in size slots.
-NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS = NUM_SEQS, NUM_TOKENS, WIDTH
+# An ALLOCATE message's fields, in size slots (KV_CACHE_FP8: 1 for float8_e4m3fn caches).
+NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_FP8 = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED
 _INT32_MAX = 2**31 - 1
 
 
@@ -56,8 +56,10 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int) -> torch.Tensor:
-    return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks)
+def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
+                    kv_cache_fp8: bool = False) -> torch.Tensor:
+    return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
+                  num_sampled=int(kv_cache_fp8))
 
 
 def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

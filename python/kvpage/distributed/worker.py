@@ -53,7 +53,8 @@ def allocate(model, h: torch.Tensor, group: TPGroup):
     runner, mine = None, [-1, -1]
     try:
         runner = ModelRunner(model, int(h[protocol.NUM_KV_BLOCKS]), int(h[protocol.BLOCK_SIZE]), model.dtype,
-                             int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads)
+                             int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads,
+                             kv_cache_dtype="fp8" if h[protocol.KV_CACHE_FP8] else None)
         mine = [_nbytes(runner.kv_caches), _nbytes(runner.host_kv_caches)]
     except (RuntimeError, ValueError, MemoryError):
         traceback.print_exc()

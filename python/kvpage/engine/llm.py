@@ -31,7 +31,9 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int = 0,
-                 tokenizer=None) -> None:
+                 tokenizer=None, kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
+        scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical)."""
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         _check_optional_positive("num_kv_blocks", num_kv_blocks)
@@ -39,9 +41,12 @@ class LLM:
         _check_optional_positive("max_num_seqs", max_num_seqs)
         if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float)) and swap_space_gib >= 0):
             raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
-        from kvpage.model import ModelRunner, load_model  # torch + transformers: only when an LLM is built
+        from kvpage.model import KV_CACHE_DTYPES, ModelRunner, load_model, resolve_kv_cache_dtype  # torch: when built
 
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         self.model, loaded_tokenizer = load_model(model, dtype=_resolve_dtype(dtype))
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
         self.tensor_parallel_size = tensor_parallel_size
@@ -55,8 +60,9 @@ class LLM:
             num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
         else:
             num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
-            num_host_blocks = _blocks_for(config, swap_gib, block_size, self.model.dtype) if swap_gib else 0
-            self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks)
+            num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
+            self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
+                                      kv_cache_dtype=self.kv_cache_dtype)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
@@ -76,7 +82,7 @@ class LLM:
             gib = GPU_KV_CACHE_FRACTION * free / 2**30
         else:
             gib = CPU_KV_CACHE_GIB
-        return _blocks_for(self.model.config, gib, block_size, self.model.dtype)
+        return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype)
 
     def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
                                swap_gib: float):
@@ -87,12 +93,12 @@ class LLM:
 
         executor = launch(model_arg, self.model, size)
         try:
-            per_block = max(executor.rank_bytes_per_block(block_size))
+            per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype))
             if num_kv_blocks is None:
                 cuda = executor.device.type == "cuda"
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
-            executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block)
+            executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype)
         except BaseException:
             executor.shutdown()
             raise

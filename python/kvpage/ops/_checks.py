@@ -4,6 +4,8 @@ from collections.abc import Sequence
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Cache dtypes: the compute dtypes, or fp8 (e4m3) holding K/V quantised with per-tensor scales.
+CACHE_DTYPES = SUPPORTED_DTYPES + (torch.float8_e4m3fn,)
 
 
 def require_tensor(x, name):
@@ -39,6 +41,15 @@ def as_block_mapping(x, name="block_mapping"):
         raise TypeError(f"{name} must be an int64 [n, 2] tensor or a list of (src, dst) pairs")
     mapping = torch.tensor(list(x), dtype=torch.int64)
     return mapping.reshape(-1, 2) if mapping.numel() == 0 else mapping
+
+
+def kv_scale(value, name):
+    """k_scale / v_scale: a positive finite number (the C++ checks add: 1.0 unless the cache is fp8)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return float(value)
 
 
 def default_scale(scale, head_size):

@@ -15,14 +15,15 @@ def _prepare(query, key_cache, value_cache, out, names):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None, *,
-                    partition_size=None):
+                    partition_size=None, k_scale=1.0, v_scale=1.0):
     """Decode attention over the paged cache.
 
     query [num_seqs, num_heads, head_size]; block_tables int32 [num_seqs, max_blocks_per_seq];
     seq_lens int32 [num_seqs] (tokens in cache, >= 1); num_heads a multiple of num_kv_heads.
     scale defaults to head_size ** -0.5. Long contexts are split into partitions and merged by a
     log-sum-exp reduction when that keeps more cores busy; partition_size (a multiple of the block
-    size) forces a split, a value >= the longest sequence forces a single pass."""
+    size) forces a split, a value >= the longest sequence forces a single pass. An fp8 cache is read
+    as code * k_scale (keys) and code * v_scale (values); see reshape_and_cache."""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
     _checks.require_tensor(block_tables, "block_tables")
     _checks.require_tensor(seq_lens, "seq_lens")
@@ -32,23 +33,25 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     elif isinstance(partition_size, bool) or not isinstance(partition_size, int) or partition_size <= 0:
         raise ValueError(f"partition_size must be a positive int, got {partition_size!r}")
     ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                        partition_size, range_checks_enabled())
+                        partition_size, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
+                        _checks.kv_scale(v_scale, "v_scale"))
     return out
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None, out=None):
+                            scale=None, out=None, *, k_scale=1.0, v_scale=1.0):
     """Varlen causal attention over the paged cache (prefill, chunked prefill, prefix-cache hits).
 
     query [total_query_tokens, num_heads, head_size]; query_start_loc int32 [num_seqs + 1];
     seq_lens int32 [num_seqs] = cached context + this step's tokens, whose K/V are already in the
     cache. Query token i of sequence s sits at position seq_lens[s] - q_len[s] + i and attends to
-    cache positions <= its own."""
+    cache positions <= its own. fp8 caches as in paged_attention."""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
         _checks.require_tensor(t, name)
     scale = _checks.default_scale(scale, query.shape[-1] if query.dim() else 1)
     ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                seq_lens, scale, range_checks_enabled())
+                                seq_lens, scale, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
+                                _checks.kv_scale(v_scale, "v_scale"))
     return out

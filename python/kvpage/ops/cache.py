@@ -17,7 +17,9 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     The token in slot s = block_id * block_size + offset lives at [block_id, :, offset, :], so a
     (block, kv head) pair is one contiguous [block_size, head_size] tile that attention streams.
     block_size: a power of two up to 256; head_size: a multiple of 16 up to 256;
-    dtype: float32, float16 or bfloat16 (attention computes in float32)."""
+    dtype: float32, float16, bfloat16 (attention computes in float32), or float8_e4m3fn: K/V stored
+    as fp8 codes of x / k_scale and x / v_scale (see reshape_and_cache), a quarter of float32's
+    memory and bandwidth, read back by attention with the same scales."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
         _checks.require_positive_int(value, name)
@@ -25,8 +27,8 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
         raise ValueError(f"block_size must be a power of two up to 256, got {block_size}")
     if head_size % 16 or head_size > 256:
         raise ValueError(f"head_size must be a multiple of 16 up to 256, got {head_size}")
-    if dtype not in _checks.SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of {_checks.SUPPORTED_DTYPES}, got {dtype}")
+    if dtype not in _checks.CACHE_DTYPES:
+        raise TypeError(f"dtype must be one of {_checks.CACHE_DTYPES}, got {dtype}")
     shape = (num_blocks, num_kv_heads, block_size, head_size)
     device = torch.device(device)
     if device.type == "cpu":
@@ -59,13 +61,18 @@ def _advise_huge_pages(address, nbytes):
     libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # a hint: ignore failure
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     """Writes key/value [num_tokens, num_kv_heads, head_size] (strided views welcome) into the
-    caches; slot_mapping int64 [num_tokens], -1 skips a token."""
+    caches; slot_mapping int64 [num_tokens], -1 skips a token.
+
+    An fp8 (float8_e4m3fn) cache takes float32/float16/bfloat16 key/value and stores
+    x * (1 / k_scale) (v_scale for values) rounded to nearest even and saturated to +-448, as
+    reference.quantize_fp8; other caches take their own dtype and scales of 1.0."""
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         _checks.require_tensor(t, name)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, range_checks_enabled())
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, range_checks_enabled(),
+                          _checks.kv_scale(k_scale, "k_scale"), _checks.kv_scale(v_scale, "v_scale"))
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

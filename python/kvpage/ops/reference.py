@@ -4,12 +4,31 @@ Written for clarity, not speed: gather each sequence's K/V from its block table 
 tensor, then run textbook attention in float32."""
 import torch
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-def gather_kv(cache, block_table, seq_len):
-    """[seq_len, num_kv_heads, head_size] of one sequence from a [num_blocks, H, bs, D] cache."""
+
+def quantize_fp8(x, scale=1.0):
+    """What an fp8 cache stores for x: x * (1 / scale) in float32, saturated to +-448, rounded to
+    nearest even (torch's own conversion)."""
+    inverse = torch.tensor(1.0 / scale, dtype=torch.float32)
+    return (x.float() * inverse.to(x.device)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(cache, scale=1.0):
+    """A cache's values in float32 (fp8 codes times their scale; other dtypes as they are)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.float() * torch.tensor(scale, dtype=torch.float32).to(cache.device)
+    return cache.float()
+
+
+def gather_kv(cache, block_table, seq_len, scale=1.0):
+    """[seq_len, num_kv_heads, head_size] of one sequence from a [num_blocks, H, bs, D] cache, in
+    float32 for an fp8 cache (dequantised with scale)."""
     block_size = cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     tiles = cache[block_table[:num_blocks].long()]  # [nb, H, bs, D]
+    if cache.dtype == torch.float8_e4m3fn:
+        tiles = dequantize(tiles, scale)
     return tiles.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
 
 
@@ -26,19 +45,20 @@ def attention(query, key, value, scale, query_positions):
     return (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None):
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, k_scale=1.0,
+                    v_scale=1.0):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
     for s, seq_len in enumerate(seq_lens.tolist()):
-        key = gather_kv(key_cache, block_tables[s], seq_len)
-        value = gather_kv(value_cache, block_tables[s], seq_len)
+        key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
+        value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
         positions = torch.tensor([seq_len - 1], device=query.device)
         out[s] = attention(query[s : s + 1], key, value, scale, positions)[0]
     return out
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None):
+                            scale=None, k_scale=1.0, v_scale=1.0):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -46,15 +66,17 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         q = query[starts[s] : starts[s + 1]]
         if q.shape[0] == 0:
             continue
-        key = gather_kv(key_cache, block_tables[s], seq_len)
-        value = gather_kv(value_cache, block_tables[s], seq_len)
+        key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
+        value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
         positions = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
         out[starts[s] : starts[s + 1]] = attention(q, key, value, scale, positions)
     return out
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     block_size = key_cache.shape[2]
+    if key_cache.dtype == torch.float8_e4m3fn:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue

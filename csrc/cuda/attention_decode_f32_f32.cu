@@ -1,0 +1,14 @@
+// Decode kernels for float32 caches with float32 queries (see attention_decode_kernels.cuh).
+#include "attention_decode_kernels.cuh"
+
+namespace kvpage {
+namespace cuda {
+
+template <>
+cudaError_t launch_decode<float, float>(const AttentionParams& p, const DecodeWork& w,
+                                        cudaStream_t stream) {
+  return launch_decode_for_head_and_tile<float, float>(p, w, stream);
+}
+
+}  // namespace cuda
+}  // namespace kvpage
