@@ -2,7 +2,7 @@
 # Compile-checks every CUDA kernel file with the local nvcc for sm_80 and sm_90 (no GPU, no
 # torch needed) and prints registers / spills per kernel (-Xptxas -v). Fails on any error.
 #
-#   .ci/cuda_check.sh            kernels only (~2 min on 2 cores)
+#   .ci/cuda_check.sh            kernels only (~3 min on 2 cores)
 #   .ci/cuda_check.sh --build    also build the real extension against a CUDA torch in a
 #                                scratch copy of the tree and check the ops have CUDA kernels
 #                                (KVPAGE_CI_CUDA_BUILD=1 does the same; creates the venv if missing)
@@ -30,16 +30,20 @@ echo "cuda_check: $("$NVCC" --version | tail -1)"
 LOG="$(mktemp -d)"
 trap 'rm -rf "$LOG"' EXIT
 status=0
-pids=()
+# At most JOBS compiles at once (default: the core count), so each one's wall time below is
+# its own compile time, not a share of an oversubscribed machine.
+JOBS="${JOBS:-$(nproc)}"
 for src in "$ROOT"/csrc/cuda/*.cu; do
   for arch in $ARCHS; do
+    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
     out="$LOG/$(basename "$src" .cu).sm_$arch.log"
-    ( "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -Xptxas -v -Werror all-warnings \
-        -c "$src" -o /dev/null >"$out" 2>&1 || echo "FAILED" >>"$out" ) &
-    pids+=($!)
+    ( start=$EPOCHREALTIME
+      "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -Xptxas -v -Werror all-warnings \
+        -c "$src" -o /dev/null >"$out" 2>&1 || echo "FAILED" >>"$out"
+      echo "$(basename "$src") sm_$arch $start $EPOCHREALTIME" >"$out.time" ) &
   done
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
+wait
 
 for out in "$LOG"/*.log; do
   name="$(basename "$out" .log)"
@@ -79,6 +83,9 @@ print(f"{'arch':7} {'kernel':58} {'regs':>5} {'spill st/ld':>12}")
 for arch, name, regs, spill in sorted({(a, short[f], r, s) for a, f, r, s in rows}):
     print(f"{arch:7} {name[:58]:58} {regs:5d} {spill:>12}")
 PYEOF
+echo
+echo "compile seconds per file and arch ($JOBS at a time):"
+sort "$LOG"/*.time | awk '{printf "  %-36s %-6s %6.1f\n", $1, $2, $4 - $3}'
 spills="$(grep -h "bytes spill stores" "$LOG"/*.log | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)"
 echo "cuda_check: kernels with spills: $spills"
 [[ $status -ne 0 ]] && { echo "cuda_check: nvcc compile check FAILED" >&2; exit 1; }
@@ -109,6 +116,10 @@ TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" cmake -S "$SCRATCH" -B "
   { cat "$LOG/configure.txt" >&2; exit 1; }
 cmake --build "$SCRATCH/build" -j "${MAX_JOBS:-$(nproc)}" >"$LOG/build.txt" 2>&1 ||
   { tail -60 "$LOG/build.txt" >&2; echo "cuda_check: extension build FAILED" >&2; exit 1; }
+# Launchers defined in one .cu and called from another (attention_decode.h) must all link: a
+# shared library may carry undefined symbols until the first call, so check them here.
+undefined="$(nm -C -D --undefined-only "$SCRATCH"/python/kvpage/_C*.so | grep "kvpage::" || true)"
+[[ -z "$undefined" ]] || { echo "$undefined" >&2; echo "cuda_check: undefined kvpage symbols in _C" >&2; exit 1; }
 PYTHONPATH="$SCRATCH/python" "$PY" - <<'PYEOF'
 import torch
 from kvpage import _C, ops  # noqa: F401

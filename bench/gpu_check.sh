@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # ONE prepared script for a GPU machine (torch with CUDA, nvcc, ninja; no network): builds the
-# extension with the CUDA kernels for the GPU it finds, runs the CUDA tests, then the GPU
-# benchmark; prints a table and writes logs + JSON under $OUT (or bench/results/) . Stays within
-# ~8 minutes: every phase has its own timeout. Run from the repository root (or anywhere):
+# extension with the CUDA kernels for the GPU it finds, runs the CUDA tests, optionally
+# compute-sanitizer, then the GPU benchmark; prints a table and writes logs + JSON under $OUT
+# (or bench/results/). Built for a single ~8-minute session that must return as much
+# information as possible:
+#   - every phase has a timeout, cut to what is left of BUDGET (seconds, default 470) so the
+#     later phases still get their share; a phase that fails does not stop the next one;
+#   - the tests run without -x (--maxfail=30, -rfE lists every failure and error);
+#   - the benchmark writes its JSON after every row and records a failing case and goes on.
+# Run from the repository root (or anywhere):
 #   bash bench/gpu_check.sh            # OUT=/some/dir bash bench/gpu_check.sh
+#   SANITIZE=1 bash bench/gpu_check.sh # also compute-sanitizer memcheck over every op (~1-2 min)
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -12,8 +19,20 @@ mkdir -p "$RESULTS"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PATH="/usr/local/cuda/bin:$PATH"
 START=$SECONDS
+BUDGET="${BUDGET:-470}"
+SANITIZE="${SANITIZE:-0}"
 phase() { echo; echo "=== [$((SECONDS - START))s] $*"; }
+# Seconds for a phase: its own cap, but never more than what is left of the budget minus what
+# the later phases reserve (at least 10).
+timeout_for() {
+  local cap=$1 reserve=${2:-0} left=$((BUDGET - (SECONDS - START) - ${2:-0}))
+  ((left < cap)) && cap=$left
+  ((cap < 10)) && cap=10
+  echo "$cap"
+}
 status=0
+summary=()
+note() { summary+=("$*"); }
 
 phase "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
@@ -30,11 +49,13 @@ if ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1; then  # bare toolkit
   [[ -n "$NVRTC" ]] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC" "-DCUDA_NVRTC_LIB=$NVRTC")
 fi
 BUILD_DIR="$ROOT/build/gpu-check"
+# The CUDA kernels are split over ~10 files (one per decode dtype pair), so all cores help.
+BUILD_TIMEOUT="$(timeout_for 240 200)"
 (
   TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$ARCH}" timeout 60 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
     -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
     -DKVPAGE_OUTPUT_DIR="$ROOT/python/kvpage" "${EXTRA[@]}" &&
-  timeout 200 cmake --build "$BUILD_DIR" -j "$(nproc)"
+  timeout "$BUILD_TIMEOUT" cmake --build "$BUILD_DIR" -j "$(nproc)"
 ) >"$RESULTS/gpu_check_build.log" 2>&1
 rc=$?
 tail -5 "$RESULTS/gpu_check_build.log"
@@ -45,22 +66,67 @@ if [[ $rc -ne 0 ]]; then
 fi
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'from kvpage import ops; assert ops.built_with_cuda; print("kvpage._C built with CUDA")' || exit 1
+note "build: ok in $((SECONDS - START))s"
 
-phase "CUDA tests"
-timeout 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/cuda --junitxml="$RESULTS/gpu_check_tests.xml" \
-  2>&1 | tee "$RESULTS/gpu_check_tests.log" | tail -25
-[[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "gpu_check: CUDA TESTS FAILED" >&2; status=1; }
+phase "CUDA tests (every failure listed, up to 30)"
+T="$(timeout_for 180 "$((SANITIZE == 1 ? 260 : 150))")"
+timeout "$T" "$PY" -m pytest -q -rfE --maxfail=30 -p no:cacheprovider tests/cuda \
+  --junitxml="$RESULTS/gpu_check_tests.xml" 2>&1 | tee "$RESULTS/gpu_check_tests.log" | tail -60
+rc=${PIPESTATUS[0]}
+if [[ $rc -eq 0 ]]; then
+  note "tests/cuda: passed"
+else
+  [[ $rc -eq 124 ]] && echo "gpu_check: CUDA tests TIMED OUT after ${T}s" >&2
+  echo "gpu_check: CUDA TESTS FAILED (rc=$rc)" >&2
+  note "tests/cuda: FAILED rc=$rc ($(grep -cE '^(FAILED|ERROR) ' "$RESULTS/gpu_check_tests.log") failed/errored listed)"
+  status=1
+fi
 if [[ -d tests/ops ]]; then
   # The CPU op tests, for whatever they parametrise over CUDA (ids containing "cuda").
-  timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/ops -k cuda 2>&1 | tail -5
+  timeout "$(timeout_for 60 150)" "$PY" -m pytest -q -rfE -p no:cacheprovider tests/ops -k cuda 2>&1 | tail -8
   rc=${PIPESTATUS[0]}
-  [[ $rc -eq 0 || $rc -eq 5 ]] || { echo "gpu_check: tests/ops -k cuda FAILED" >&2; status=1; }
+  [[ $rc -eq 0 || $rc -eq 5 ]] || { echo "gpu_check: tests/ops -k cuda FAILED" >&2; note "tests/ops -k cuda: FAILED rc=$rc"; status=1; }
 fi
 
-phase "GPU benchmark"
-timeout 200 "$PY" bench/kernels_cuda.py --flex --out "$RESULTS/kernels_cuda.json" 2>&1 |
+if [[ "$SANITIZE" == "1" ]]; then
+  phase "compute-sanitizer memcheck (every op once, range checks off, bad indices)"
+  SAN="$(command -v compute-sanitizer || true)"
+  for cand in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [[ -z "$SAN" && -x "$cand" ]] && SAN="$cand"
+  done
+  if [[ -z "$SAN" ]]; then
+    echo "gpu_check: compute-sanitizer not found; skipped"
+    note "sanitize: SKIPPED (no compute-sanitizer)"
+  else
+    # No caching allocator: each tensor its own allocation, so memcheck sees every overrun.
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(timeout_for "${SANITIZE_TIMEOUT:-150}" 120)" \
+      "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 \
+      "$PY" tests/cuda/sanitize_ops.py >"$RESULTS/gpu_check_sanitize.log" 2>&1
+    rc=$?
+    tail -30 "$RESULTS/gpu_check_sanitize.log"
+    case $rc in
+      0) note "sanitize: clean" ;;
+      99) echo "gpu_check: compute-sanitizer found MEMORY ERRORS" >&2; note "sanitize: MEMORY ERRORS"; status=1 ;;
+      124) echo "gpu_check: compute-sanitizer TIMED OUT" >&2; note "sanitize: TIMED OUT (see log for the dtypes done)"; status=1 ;;
+      *) echo "gpu_check: sanitize run FAILED (rc=$rc)" >&2; note "sanitize: FAILED rc=$rc"; status=1 ;;
+    esac
+  fi
+fi
+
+phase "GPU benchmark (JSON rewritten after every row: $RESULTS/kernels_cuda.json)"
+T="$(timeout_for 240 5)"
+timeout "$T" "$PY" bench/kernels_cuda.py --flex --out "$RESULTS/kernels_cuda.json" 2>&1 |
   tee "$RESULTS/gpu_check_bench.log"
-[[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "gpu_check: BENCHMARK FAILED or timed out" >&2; status=1; }
+rc=${PIPESTATUS[0]}
+if [[ $rc -eq 0 ]]; then
+  note "benchmark: complete"
+else
+  [[ $rc -eq 124 ]] && echo "gpu_check: benchmark TIMED OUT after ${T}s; the JSON holds the rows done" >&2
+  echo "gpu_check: BENCHMARK FAILED or incomplete (rc=$rc)" >&2
+  note "benchmark: rc=$rc ($("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(len(r["rows"]), "rows,", sum("error" in x for x in r["rows"]), "with errors")' "$RESULTS/kernels_cuda.json" 2>/dev/null || echo "no JSON"))"
+  status=1
+fi
 
 phase "done (status $status)"
+printf '  %s\n' "${summary[@]}"
 exit $status

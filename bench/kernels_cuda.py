@@ -8,10 +8,15 @@ copy bandwidth, measured in the same process run.
 Decode: batch 1/16/64/256 x context 512/2048/8192; prefill: 1k and 4k tokens; Llama-3-8B
 (32 q / 8 kv heads x 128) and SmolLM2 (9 / 3 x 64), fp16, block size 16, block tables a random
 permutation of the cache (scattered pages). Baseline: torch SDPA with the FLASH backend on the
-same K/V laid out contiguously. L2 is flushed (a 512 MiB memset) before every timed call; times
-are the median of CUDA-event timings. Writes JSON to $OUT/kernels_cuda.json if $OUT is set, else
-bench/results/kernels_cuda.json, and prints a table with the ratios the issue targets:
-decode GB/s vs measured copy GB/s, paged / dense time, swap GB/s each way, copy_blocks vs copy.
+same K/V laid out contiguously. fp8 (e4m3) cache decode rows (Llama-3-8B shape, fp16 queries)
+count bandwidth in fp8 bytes and compare with the fp16 cache at the same shape. L2 is flushed (a
+512 MiB memset) before every timed call; times are the median of CUDA-event timings.
+
+Writes JSON to $OUT/kernels_cuda.json if $OUT is set, else bench/results/kernels_cuda.json, after
+every row (a run cut short by a timeout still leaves what it measured), and prints a table with
+the ratios the issue targets: decode GB/s vs measured copy GB/s, paged / dense time, swap GB/s
+each way, copy_blocks vs copy. A case that raises is recorded (its row gets "error") and the run
+goes on, unless the CUDA context is broken (illegal address, device assert): then it stops.
 Importable and `--help`-able without CUDA (bench/kernels.py may call run() for --device cuda)."""
 import argparse
 import json
@@ -27,6 +32,11 @@ DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 PREFILL_TOKENS = (1024, 4096)
 BLOCK_SIZE = 16
+# fp8-cache decode cases (batch, context), Llama-3-8B shape; FP8_SCALE is k_scale = v_scale
+# (N(0, 1) K/V over 0.02 use e4m3's range without saturating).
+FP8_DECODE_CASES = ((64, 8192), (16, 2048), (1, 8192), (16, 8192), (64, 2048), (256, 2048), (256, 8192))
+FP8_DECODE_QUICK = ((64, 8192), (16, 2048))
+FP8_SCALE = 0.02
 
 
 def parse_args(argv=None):
@@ -153,6 +163,39 @@ def bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen):
     return row
 
 
+def quantize_cache_into(torch, fp8_cache, cache, scale, chunk_blocks=4096):
+    """fp8_cache = reference.quantize_fp8(cache, scale), a few thousand blocks at a time (the fp32
+    temporaries of a whole 8k x 256 cache would be tens of GB)."""
+    from kvpage.ops import reference
+
+    for start in range(0, cache.shape[0], chunk_blocks):
+        chunk = slice(start, start + chunk_blocks)
+        fp8_cache[chunk].copy_(reference.quantize_fp8(cache[chunk], scale))
+
+
+def bench_decode_fp8(torch, ops, timer, batch, ctx, copy_bw, gen, name="llama3-8b"):
+    """fp8 cache vs fp16 cache decode at one shape: the same K/V (the fp8 one quantised from the
+    fp16 one), tables and fp16 queries, timed back to back."""
+    hq, hkv, d = SHAPES[name]
+    key_cache, value_cache, tables = paged_cache(torch, ops, batch, ctx, hkv, d, gen)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, hq, d, device="cuda", dtype=torch.float16, generator=gen)
+    out16, out8 = torch.empty_like(query), torch.empty_like(query)
+    t_fp16 = timer(lambda: ops.paged_attention(query, key_cache, value_cache, tables, seq_lens, out=out16))
+    fp8_caches = ops.allocate_kv_cache(key_cache.shape[0], BLOCK_SIZE, hkv, d, dtype=torch.float8_e4m3fn,
+                                       device="cuda")
+    for fp8_cache, cache in zip(fp8_caches, (key_cache, value_cache)):
+        quantize_cache_into(torch, fp8_cache, cache, FP8_SCALE)
+    del key_cache, value_cache
+    t_fp8 = timer(lambda: ops.paged_attention(query, *fp8_caches, tables, seq_lens, out=out8, k_scale=FP8_SCALE,
+                                              v_scale=FP8_SCALE))
+    kv_bytes = 2 * batch * ctx * hkv * d  # one byte per fp8 value
+    return dict(kind="decode_fp8", shape=name, batch=batch, context=ctx, paged_s=t_fp8,
+                paged_gbps=kv_bytes / t_fp8 / 1e9, frac_of_copy_bw=kv_bytes / t_fp8 / copy_bw,
+                fp16_paged_s=t_fp16, fp8_over_fp16=t_fp8 / t_fp16,
+                max_abs_err_vs_fp16=(out8.float() - out16.float()).abs().max().item(), scale=FP8_SCALE)
+
+
 def bench_prefill(torch, ops, timer, name, tokens, gen):
     hq, hkv, d = SHAPES[name]
     key_cache, value_cache, tables = paged_cache(torch, ops, 1, tokens, hkv, d, gen)
@@ -197,7 +240,106 @@ def bench_swap_and_copy(torch, ops, timer, copy_bw, layers=8, blocks=4096, moved
     return rows
 
 
-def run(args):
+class Recorder:
+    """The result dict, rewritten to path after every row (atomically: a reader or a timeout never
+    sees half a file)."""
+
+    def __init__(self, path, result):
+        self.path, self.result = path, result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def add(self, rows):
+        self.result["rows"] += rows if isinstance(rows, list) else [rows]
+        self.save()
+
+    def save(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=_json_default))
+        os.replace(tmp, self.path)
+
+
+def _json_default(x):
+    return None if isinstance(x, float) and math.isnan(x) else str(x)
+
+
+# Errors after which the CUDA context is unusable: every later call would fail the same way.
+_STICKY_MARKERS = ("illegal memory access", "illegal address", "device-side assert", "unspecified launch failure",
+                   "misaligned address", "an illegal instruction", "invalid program counter",
+                   "CUDA error: unknown")
+
+
+def cuda_context_broken(torch, error):
+    """Whether error (just raised by a case) left the CUDA context unusable."""
+    if any(marker in str(error) for marker in _STICKY_MARKERS):
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return False
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+
+
+def run_case(torch, recorder, describe, fn):
+    """Runs one measured case; records its row(s), or a row with the error. False when the CUDA
+    context broke (stop: every later case would fail)."""
+    try:
+        recorder.add(fn())
+        return True
+    except Exception as e:  # noqa: BLE001 - a failed case must not lose the others
+        row = dict(describe, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        broken = cuda_context_broken(torch, e)
+        row["cuda_context_broken"] = broken
+        recorder.add(row)
+        print(f"kernels_cuda: {describe} FAILED: {row['error']}", file=sys.stderr)
+        return not broken
+    finally:
+        if torch.cuda.is_initialized():
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a broken context: the caller stops anyway
+                pass
+
+
+def cases(args):
+    """(description, callable(torch, ops, timer, copy_bw, gen)) in run order: the fp8 decode rows
+    first (quick, and the newest kernels), then the fp16 matrix, then swap / copy_blocks."""
+    shapes = [s for s in args.shapes.split(",") if s]
+    batches, contexts, prefills = DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS
+    fp8_cases = FP8_DECODE_CASES
+    if args.quick:
+        batches, contexts, prefills, fp8_cases = (1, 64), (512, 8192), (1024,), FP8_DECODE_QUICK
+
+    def fp8_decode(batch, ctx):
+        return lambda torch, ops, timer, bw, gen: bench_decode_fp8(torch, ops, timer, batch, ctx, bw, gen)
+
+    def decode(name, batch, ctx, flex):
+        return lambda torch, ops, timer, bw, gen: bench_decode(torch, ops, timer, name, batch, ctx, bw, flex, gen)
+
+    def prefill(name, tokens):
+        return lambda torch, ops, timer, bw, gen: bench_prefill(torch, ops, timer, name, tokens, gen)
+
+    out = [(dict(kind="decode_fp8", shape="llama3-8b", batch=b, context=c), fp8_decode(b, c)) for b, c in fp8_cases]
+    for name in shapes:
+        for batch in batches:
+            for ctx in contexts:
+                flex = args.flex and name == "llama3-8b" and batch == 64 and ctx == 8192  # one compile
+                out.append((dict(kind="decode", shape=name, batch=batch, context=ctx), decode(name, batch, ctx, flex)))
+        for tokens in prefills:
+            out.append((dict(kind="prefill", shape=name, tokens=tokens), prefill(name, tokens)))
+    out.append((dict(kind="swap_and_copy"), lambda torch, ops, timer, bw, gen: bench_swap_and_copy(torch, ops, timer, bw)))
+    return out
+
+
+def output_path(args):
+    if args.out:
+        return Path(args.out)
+    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    return base / "kernels_cuda.json"
+
+
+def run(args, path=None):
     import torch
 
     if not torch.cuda.is_available():
@@ -210,27 +352,22 @@ def run(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
     timer = Timer(torch, args.iters)
-    shapes = [s for s in args.shapes.split(",") if s]
-    batches, contexts, prefills = DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS
-    if args.quick:
-        batches, contexts, prefills = (1, 64), (512, 8192), (1024,)
 
     t0 = time.time()
     copy_bw = copy_bandwidth(torch, timer)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                  copy_gbps=copy_bw / 1e9, rows=[])
-    for name in shapes:
-        for batch in batches:
-            for ctx in contexts:
-                flex = args.flex and name == "llama3-8b" and batch == 64 and ctx == 8192  # one compile
-                result["rows"].append(bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen))
-                torch.cuda.empty_cache()
-        for tokens in prefills:
-            result["rows"].append(bench_prefill(torch, ops, timer, name, tokens, gen))
-            torch.cuda.empty_cache()
-    result["rows"] += bench_swap_and_copy(torch, ops, timer, copy_bw)
-    result["seconds"] = time.time() - t0
-    return result
+    recorder = Recorder(path or output_path(args),
+                        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                             copy_gbps=copy_bw / 1e9, rows=[], complete=False))
+    for describe, fn in cases(args):
+        if not run_case(torch, recorder, describe, lambda: fn(torch, ops, timer, copy_bw, gen)):
+            recorder.result["stopped"] = f"CUDA context broken at {describe}"
+            break
+        recorder.result["seconds"] = time.time() - t0
+    else:
+        recorder.result["complete"] = True
+    recorder.result["seconds"] = time.time() - t0
+    recorder.save()
+    return recorder.result
 
 
 def print_table(result):
@@ -240,7 +377,15 @@ def print_table(result):
           f"{'flash':>10} {'paged/fl':>8} {'flex/pg':>8} {'maxerr':>8}")
     fmt_t = lambda s: f"{s * 1e6:8.1f}us" if s is not None else f"{'-':>10}"  # noqa: E731
     for r in result["rows"]:
-        if r["kind"] in ("decode", "prefill"):
+        if "error" in r:
+            what = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("kind", "error", "cuda_context_broken"))
+            print(f"{r['kind']:8} {what}  ERROR {r['error']}")
+        elif r["kind"] == "decode_fp8":
+            size = f"b{r['batch']}x{r['context']}"
+            print(f"{'dec fp8':8} {r['shape']:10} {size:>12} {fmt_t(r['paged_s'])} {r['paged_gbps']:10.1f} "
+                  f"{100 * r['frac_of_copy_bw']:5.0f}%  fp16 cache {fmt_t(r['fp16_paged_s'])}  "
+                  f"fp8/fp16 {r['fp8_over_fp16']:5.2f}  maxerr vs fp16 {r['max_abs_err_vs_fp16']:8.1e}")
+        elif r["kind"] in ("decode", "prefill"):
             size = f"b{r['batch']}x{r['context']}" if r["kind"] == "decode" else f"{r['tokens']} tok"
             rate = r.get("paged_gbps", r.get("paged_tflops"))
             frac = f"{100 * r['frac_of_copy_bw']:5.0f}%" if "frac_of_copy_bw" in r else f"{'':6}"
@@ -261,13 +406,14 @@ def print_table(result):
 
 def main(argv=None):
     args = parse_args(argv)
-    result = run(args)
+    path = output_path(args)
+    result = run(args, path)
     print_table(result)
-    out = Path(args.out) if args.out else (
-        Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results") / "kernels_cuda.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
-    print(f"\nwrote {out}", file=sys.stderr)
+    print(f"\nwrote {path}" + ("" if result.get("complete") else f" (INCOMPLETE: {result.get('stopped')})"),
+          file=sys.stderr)
+    failed = [r for r in result["rows"] if "error" in r]
+    if failed or not result.get("complete"):
+        raise SystemExit(f"kernels_cuda: {len(failed)} case(s) failed")
 
 
 if __name__ == "__main__":
