@@ -2,7 +2,8 @@
 //   scores:  S[r][t]  = q[r] . k[t]          (rows x tokens; k rows are contiguous in head_size)
 //   values:  acc[r]  += sum_t p[r][t] v[t]   (rows x head_size)
 // AVX2 builds get register-blocked kernels (3 rows x 4 tokens, 3 rows x 32 lanes), so each K or V
-// vector loaded from L1 feeds several FMAs; other builds get plain loops the compiler vectorises.
+// vector loaded from L1 feeds several FMAs; AVX-512 builds their 16-lane versions
+// (microkernels_avx512.h); other builds get plain loops the compiler vectorises.
 // Included inside the ISA namespace, after vec.h.
 #pragma once
 
@@ -52,6 +53,7 @@ inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, fl
     for (int r = 0; r < R; ++r) s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
 }
 
+#if !defined(__AVX512F__)
 // Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. Three-row
 // blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16 registers;
 // four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
@@ -62,6 +64,8 @@ inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n
   for (; rows - r >= 2; r += 2) scores_rows<2>(q + r * d, k, n, d, s + r * s_stride, s_stride);
   if (r < rows) scores_rows<1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
+
+#endif
 
 // acc[r][i..i+W) += sum_t p[r][t] v[t][i..i+W) for R rows, W = 8 * L lanes held in registers.
 template <int R, int L>
@@ -89,6 +93,9 @@ inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride,
   for (; i < d; i += 16) values_tile<R, 2>(acc, d, p, p_stride, v, n, i);  // head_size % 16 == 0
 }
 
+#if defined(__AVX512F__)
+#include "microkernels_avx512.h"  // 16-lane block_scores / block_values
+#else
 inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   int64_t r = 0;
@@ -96,6 +103,7 @@ inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, in
   for (; rows - r >= 2; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
   if (r < rows) values_rows<1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
 }
+#endif
 
 // vec.h's exp_nonpositive, eight lanes at a time.
 inline __m256 exp_nonpositive8(__m256 x) {
