@@ -7,14 +7,11 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpage.ops import reference
 from engine_helpers import GREEDY, PROMPTS, assert_greedy_matches, hf_generate, make_llm
 
 FP8_PROMPTS = PROMPTS[:6] + PROMPTS[12:14]
-_FP8_SDPA = "fp8_kv_sdpa"
 # fp8 rounding magnifies fp32 summation-order differences: a K/V element within 1e-6 of a rounding
 # midpoint lands on neighbouring codes (6% apart) in kvpage and in the reference, which moves logits
 # by up to ~0.1 (seen: 0.013-0.09 where greedy paths part). A wrong scale or a misread code moves
@@ -27,19 +24,10 @@ def assert_fp8_greedy_matches(outputs, refs):
     assert ties <= len(refs) // 2, f"{ties} of {len(refs)} prompts parted from the fp8 reference"
 
 
-def _fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """sdpa over K/V rounded through fp8 the way reshape_and_cache stores them (idempotent, so
-    re-quantising the cached past at every step changes nothing)."""
-    key = reference.quantize_fp8(key).to(query.dtype)
-    value = reference.quantize_fp8(value).to(query.dtype)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def fp8_reference(llm, prompt_ids):
-    AttentionInterface.register(_FP8_SDPA, _fp8_kv_sdpa)
     model = copy.deepcopy(llm.model)
-    model.set_attn_implementation(_FP8_SDPA)
+    model.set_attn_implementation(reference.register_hf_fp8_kv_attention())
     ids = prompt_ids[:6] + prompt_ids[12:14]
     return hf_generate(model.eval(), ids, GREEDY.max_tokens)
 

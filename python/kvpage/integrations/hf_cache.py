@@ -34,6 +34,7 @@ from kvpage.core import BlockPool
 from kvpage.model.attention import (ATTN_IMPLEMENTATION, PAGED_CACHE_KWARG, head_dim_of, paged_attention_forward,
                                     validate_config)
 from kvpage.model.metadata import AttentionMetadata, KVCache
+from kvpage.model.runner import KV_CACHE_DTYPES
 
 from .row_tables import OutOfBlocks, RowTables
 
@@ -83,14 +84,20 @@ class PagedCache(Cache):
 
     config: the model's config (`model.config`). num_blocks: size of the block pool; None (default)
     grows it on demand. block_size: tokens per block (a power of two up to 256). dtype, device: of the
-    K/V; None takes them from the model's first forward pass. One cache serves one batch (one
-    `generate` call, or several that continue it); `reset()` empties it for reuse.
+    K/V; None takes them from the model's first forward pass. kv_cache_dtype: "auto" stores K/V in
+    that dtype, "fp8" (= "fp8_e4m3") as float8_e4m3fn with scales of 1.0 (a quarter of float32's
+    memory; attention reads them back, so outputs differ slightly from the model's own cache). One
+    cache serves one batch (one `generate` call, or several that continue it); `reset()` empties it.
     """
 
     def __init__(self, config: PretrainedConfig, num_blocks: int | None = None, block_size: int = 16,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         config = _decoder_config(config)
         _check_args(num_blocks, block_size, dtype)
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # None: the K/V dtype
         validate_config(config, dtype or torch.float32)
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -229,7 +236,7 @@ class PagedCache(Cache):
                                num_copy_on_write=self.tables.num_copy_on_write)
 
     def bytes_per_block(self) -> int:
-        itemsize = (self.dtype or torch.float32).itemsize
+        itemsize = (self.kv_cache_dtype or self.dtype or torch.float32).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_size * itemsize
 
     def row_lengths(self) -> list[int]:
@@ -312,8 +319,9 @@ class PagedCache(Cache):
         if top < have:
             return
         size = self.num_blocks if self.num_blocks is not None else max(top + 1, int(have * _GROWTH))
-        grown = [ops.allocate_kv_cache(size, self.block_size, self.num_kv_heads, self.head_size, dtype=self.dtype,
-                                       device=self.device) for _ in range(self.num_layers)]
+        grown = [ops.allocate_kv_cache(size, self.block_size, self.num_kv_heads, self.head_size,
+                                       dtype=self.kv_cache_dtype or self.dtype, device=self.device)
+                 for _ in range(self.num_layers)]
         for (key, value), (old_key, old_value) in zip(grown, self.kv_caches):
             key[:have].copy_(old_key)
             value[:have].copy_(old_value)

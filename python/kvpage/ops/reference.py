@@ -21,6 +21,27 @@ def dequantize(cache, scale=1.0):
     return cache.float()
 
 
+def hf_fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention over K/V rounded through an fp8 cache (quantize_fp8 at scale 1.0,
+    then back): the reference for generation with kv_cache_dtype="fp8" (register_hf_fp8_kv_attention).
+    Re-rounding K/V already rounded is a no-op, so it may see the whole past at every step."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = (quantize_fp8(t).to(query.dtype) for t in (key, value))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_hf_fp8_kv_attention(name="kvpage_reference_fp8_kv_sdpa"):
+    """Registers hf_fp8_kv_attention, with sdpa's mask builder (a padded batch needs its mask), as
+    attn_implementation `name`; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, hf_fp8_kv_attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
 def gather_kv(cache, block_table, seq_len, scale=1.0):
     """[seq_len, num_kv_heads, head_size] of one sequence from a [num_blocks, H, bs, D] cache, in
     float32 for an fp8 cache (dequantised with scale)."""
