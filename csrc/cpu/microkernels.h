@@ -2,9 +2,12 @@
 //   scores:  S[r][t]  = q[r] . k[t]          (rows x tokens; k rows are contiguous in head_size)
 //   values:  acc[r]  += sum_t p[r][t] v[t]   (rows x head_size)
 // AVX2 builds get register-blocked kernels (3 rows x 4 tokens, 3 rows x 32 lanes), so each K or V
-// vector loaded from L1 feeds several FMAs; AVX-512 builds their 16-lane versions
-// (microkernels_avx512.h); other builds get plain loops the compiler vectorises.
-// Included inside the ISA namespace, after vec.h.
+// vector loaded from L1 feeds several FMAs. AVX-512 builds run blocks of 4 rows through the same
+// kernels at 16 lanes: the 32 vector registers hold 4 rows x 4 tokens of score accumulators, or 4
+// rows x 64 lanes of output, so a Llama-3 GQA group of 4 (and prefill's many rows) reads each K/V
+// vector once per 4 rows; the 1-3 rows left (SmolLM2's group of 3) keep 8 lanes, as fast there in
+// a paired A/B (4-row blocks: 1.19x Llama-3-8B decode, 1.10-1.31x prefill over 8 lanes' 2 + 2).
+// Other builds get plain loops the compiler vectorises. Included inside the ISA namespace, after vec.h.
 #pragma once
 
 #if defined(KVPAGE_VEC_AVX2)
@@ -22,88 +25,121 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs.
-template <int R>
+// A vector width for the kernels below: its register type and the handful of operations they use.
+// fold() narrows a vector to 8 lanes (lane i + lane i + 8) for the horizontal sums.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fold(V v) { return v; }
+};
+
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 fold(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+};
+#endif
+
+// R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs (head_size a multiple of
+// the width).
+template <typename L, int R>
 inline void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_stride) {
-  __m256 a[R][4];
+  typename L::V a[R][4];
   for (auto& row : a)
-    for (auto& x : row) x = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    __m256 x[R];
-    for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(q + r * d + i);
+    for (auto& x : row) x = L::zero();
+  for (int64_t i = 0; i < d; i += L::kWidth) {
+    typename L::V x[R];
+    for (int r = 0; r < R; ++r) x[r] = L::load(q + r * d + i);
     for (int j = 0; j < 4; ++j) {
-      const __m256 kv = _mm256_loadu_ps(k + j * d + i);
-      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(x[r], kv, a[r][j]);
+      const typename L::V kv = L::load(k + j * d + i);
+      for (int r = 0; r < R; ++r) a[r][j] = L::fma(x[r], kv, a[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm_storeu_ps(s + r * s_stride, hsum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_ps(s + r * s_stride, hsum4(L::fold(a[r][0]), L::fold(a[r][1]), L::fold(a[r][2]), L::fold(a[r][3])));
 }
 
+template <typename L>
 inline float score_1x1(const float* q, const float* k, int64_t d) {
-  __m256 a = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-  return hsum(a);
+  typename L::V a = L::zero();
+  for (int64_t i = 0; i < d; i += L::kWidth) a = L::fma(L::load(q + i), L::load(k + i), a);
+  return hsum(L::fold(a));
 }
 
-template <int R>
+template <typename L, int R>
 inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) scores_rx4<R>(q, k + t * d, d, s + t, s_stride);
+  for (; t + 4 <= n; t += 4) scores_rx4<L, R>(q, k + t * d, d, s + t, s_stride);
   for (; t < n; ++t)
-    for (int r = 0; r < R; ++r) s[r * s_stride + t] = score_1x1(q + r * d, k + t * d, d);
+    for (int r = 0; r < R; ++r) s[r * s_stride + t] = score_1x1<L>(q + r * d, k + t * d, d);
 }
 
-#if !defined(__AVX512F__)
-// Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. Three-row
-// blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16 registers;
-// four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
+// Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. With 8 lanes,
+// three-row blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16
+// registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
 inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                          int64_t s_stride) {
   int64_t r = 0;
-  for (; rows - r >= 3 && rows - r != 4; r += 3) scores_rows<3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
-  for (; rows - r >= 2; r += 2) scores_rows<2>(q + r * d, k, n, d, s + r * s_stride, s_stride);
-  if (r < rows) scores_rows<1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+#if defined(__AVX512F__)
+  for (; rows - r >= 4; r += 4) scores_rows<Lanes16, 4>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+#endif
+  for (; rows - r >= 3 && rows - r != 4; r += 3)
+    scores_rows<Lanes8, 3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  for (; rows - r >= 2; r += 2) scores_rows<Lanes8, 2>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  if (r < rows) scores_rows<Lanes8, 1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
 
-#endif
-
-// acc[r][i..i+W) += sum_t p[r][t] v[t][i..i+W) for R rows, W = 8 * L lanes held in registers.
-template <int R, int L>
+// acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers.
+template <typename L, int R, int N>
 inline void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n,
                         int64_t i) {
-  __m256 a[R][L];
+  constexpr int W = L::kWidth;
+  typename L::V a[R][N];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < L; ++j) a[r][j] = _mm256_loadu_ps(acc + r * d + i + 8 * j);
+    for (int j = 0; j < N; ++j) a[r][j] = L::load(acc + r * d + i + W * j);
   for (int64_t t = 0; t < n; ++t) {
-    __m256 w[R];
-    for (int r = 0; r < R; ++r) w[r] = _mm256_set1_ps(p[r * p_stride + t]);
-    for (int j = 0; j < L; ++j) {
-      const __m256 x = _mm256_loadu_ps(v + t * d + i + 8 * j);
-      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
+    typename L::V w[R];
+    for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t]);
+    for (int j = 0; j < N; ++j) {
+      const typename L::V x = L::load(v + t * d + i + W * j);
+      for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < L; ++j) _mm256_storeu_ps(acc + r * d + i + 8 * j, a[r][j]);
+    for (int j = 0; j < N; ++j) L::store(acc + r * d + i + W * j, a[r][j]);
 }
 
-template <int R>
+template <typename L, int R>
 inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n) {
+  constexpr int W = L::kWidth;
   int64_t i = 0;
-  for (; i + 32 <= d; i += 32) values_tile<R, 4>(acc, d, p, p_stride, v, n, i);
-  for (; i < d; i += 16) values_tile<R, 2>(acc, d, p, p_stride, v, n, i);  // head_size % 16 == 0
+  for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, v, n, i);
+  for (; i + 2 * W <= d; i += 2 * W) values_tile<L, R, 2>(acc, d, p, p_stride, v, n, i);
+  for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, v, n, i);
 }
 
-#if defined(__AVX512F__)
-#include "microkernels_avx512.h"  // 16-lane block_scores / block_values
-#else
 inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   int64_t r = 0;
-  for (; rows - r >= 3 && rows - r != 4; r += 3) values_rows<3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-  for (; rows - r >= 2; r += 2) values_rows<2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-  if (r < rows) values_rows<1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-}
+#if defined(__AVX512F__)
+  for (; rows - r >= 4; r += 4) values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
 #endif
+  for (; rows - r >= 3 && rows - r != 4; r += 3)
+    values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  for (; rows - r >= 2; r += 2) values_rows<Lanes8, 2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  if (r < rows) values_rows<Lanes8, 1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+}
 
 // vec.h's exp_nonpositive, eight lanes at a time.
 inline __m256 exp_nonpositive8(__m256 x) {
