@@ -5,8 +5,8 @@
 // vector loaded from L1 feeds several FMAs. AVX-512 builds run blocks of 4 rows through the same
 // kernels at 16 lanes: the 32 vector registers hold 4 rows x 4 tokens of score accumulators, or 4
 // rows x 64 lanes of output, so a Llama-3 GQA group of 4 (and prefill's many rows) reads each K/V
-// vector once per 4 rows; the 1-3 rows left (SmolLM2's group of 3) keep 8 lanes, as fast there in
-// a paired A/B (4-row blocks: 1.19x Llama-3-8B decode, 1.10-1.31x prefill over 8 lanes' 2 + 2).
+// vector once per 4 rows; the 1-3 rows left (SmolLM2's group of 3) keep 8 lanes, as fast there
+// (bench/attention_isa.py: 4-row blocks 1.15-1.28x Llama-3-8B decode, 1.17-1.30x prefill).
 // Other builds get plain loops the compiler vectorises. Included inside the ISA namespace, after vec.h.
 #pragma once
 
