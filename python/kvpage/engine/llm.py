@@ -41,12 +41,11 @@ class LLM:
         _check_optional_positive("max_num_seqs", max_num_seqs)
         if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float)) and swap_space_gib >= 0):
             raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
-        from kvpage.model import KV_CACHE_DTYPES, ModelRunner, load_model, resolve_kv_cache_dtype  # torch: when built
+        from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
 
-        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
         self.model, loaded_tokenizer = load_model(model, dtype=_resolve_dtype(dtype))
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)
+        self.kv_cache_dtype = cache_dtype or self.model.dtype
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
         self.tensor_parallel_size = tensor_parallel_size

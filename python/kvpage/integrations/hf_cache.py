@@ -34,7 +34,7 @@ from kvpage.core import BlockPool
 from kvpage.model.attention import (ATTN_IMPLEMENTATION, PAGED_CACHE_KWARG, head_dim_of, paged_attention_forward,
                                     validate_config)
 from kvpage.model.metadata import AttentionMetadata, KVCache
-from kvpage.model.runner import KV_CACHE_DTYPES
+from kvpage.model.runner import kv_cache_dtype_from_name
 
 from .row_tables import OutOfBlocks, RowTables
 
@@ -95,9 +95,7 @@ class PagedCache(Cache):
                  kv_cache_dtype: str = "auto") -> None:
         config = _decoder_config(config)
         _check_args(num_blocks, block_size, dtype)
-        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # None: the K/V dtype
+        self.kv_cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)  # None: the K/V dtype
         validate_config(config, dtype or torch.float32)
         self.config = config
         self.num_layers = config.num_hidden_layers

@@ -59,18 +59,11 @@ class ModelInput:
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache dtype for a kv_cache_dtype name (or None / a torch dtype) and the model's dtype."""
-    if kv_cache_dtype is None:
-        return model_dtype
-    if isinstance(kv_cache_dtype, torch.dtype):
-        if kv_cache_dtype not in (model_dtype, torch.float8_e4m3fn):
-            raise ValueError(f"kv_cache_dtype must be the model's dtype {model_dtype} or float8_e4m3fn,"
-                             f" got {kv_cache_dtype}")
-        return kv_cache_dtype
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+def kv_cache_dtype_from_name(name) -> torch.dtype | None:
+    """The cache dtype a kv_cache_dtype name asks for; None for "auto" (the model's own)."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
 
 
 def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -93,13 +86,17 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
-                 num_host_blocks: int = 0, num_kv_heads: int | None = None, kv_cache_dtype=None) -> None:
+                 num_host_blocks: int = 0, num_kv_heads: int | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
-        holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: see
-        KV_CACHE_DTYPES (default: the model's dtype)."""
+        holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
+        model's dtype (None, the default) or float8_e4m3fn (see KV_CACHE_DTYPES)."""
         config = model.config
         self.dtype = dtype or model.dtype
-        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.cache_dtype = kv_cache_dtype or self.dtype
+        if self.cache_dtype not in (self.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype must be the model's dtype {self.dtype} or float8_e4m3fn,"
+                             f" got {self.cache_dtype}")
         validate_config(config, self.dtype)
         if model.dtype != self.dtype:
             # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
