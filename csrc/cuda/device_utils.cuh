@@ -1,6 +1,7 @@
 // Device helpers shared by the kernels: element conversion (fp8 codes included), 16- and 8-byte
 // vectors, tensor-core and async-copy PTX wrappers, and the one place where dtypes and head size
-// become template arguments.
+// become template arguments. Each PTX wrapper has a KVPAGE_CUDA_EMU branch: the CPU emulator of
+// tests/cuda_emu runs these kernels without a GPU and supplies the warp-level operations.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -132,20 +133,28 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 template <>
 __device__ __forceinline__ void mma_16816<__half>(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#ifdef KVPAGE_CUDA_EMU
+  emu::mma_16816(d, a, b0, b1, /*bf16=*/false);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float* d, const uint32_t* a, uint32_t b0,
                                                          uint32_t b1) {
+#ifdef KVPAGE_CUDA_EMU
+  emu::mma_16816(d, a, b0, b1, /*bf16=*/true);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -154,20 +163,38 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Four transposed 8x8 b16 matrices from shared memory (each lane gives one row address).
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* row_addr) {
+#ifdef KVPAGE_CUDA_EMU
+  emu::ldmatrix_x4_trans(r, row_addr);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(row_addr)));
+#endif
 }
 
 // 16-byte global->shared copy; src_bytes == 0 writes zeros without reading src (masked rows).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#ifdef KVPAGE_CUDA_EMU
+  emu::cp_async16(smem, gmem, valid);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef KVPAGE_CUDA_EMU
+  emu::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#ifdef KVPAGE_CUDA_EMU
+  emu::cp_async_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 // ---- Template dispatch: the one place runtime dtype / head size become template arguments. ----

@@ -1,0 +1,21 @@
+// Emulator versions of csrc/cuda/glue.cpp's two device queries: CPU tensors are device memory.
+#include "emu_host.h"
+
+#include <cstring>
+
+#include "emu_runtime.h"
+#include "glue.h"
+
+namespace kvpage {
+namespace cuda {
+
+int num_sms() { return emu::num_sms(); }
+
+at::Tensor upload_words(const std::vector<int64_t>& words, const at::Device& device) {
+  at::Tensor t = at::empty({static_cast<int64_t>(words.size())}, at::TensorOptions().dtype(at::kLong).device(device));
+  std::memcpy(t.data_ptr<int64_t>(), words.data(), words.size() * sizeof(int64_t));
+  return t;
+}
+
+}  // namespace cuda
+}  // namespace kvpage

@@ -1,0 +1,604 @@
+// The emulator's scheduler (see cuda_emu.h): blocks one after another, the threads of a block as
+// fibers on one OS thread, barriers and warp collectives served by their last arrival, plus the
+// few CUDA runtime calls the op glue makes.
+#include "emu_runtime.h"
+
+#include <cuda_fp16.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+// AddressSanitizer build (build_emu.load(asan=True)): every stack switch is announced, so ASan
+// checks each fiber against its own stack.
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define EMU_ASAN 1
+#endif
+
+#if !defined(__x86_64__)
+#error "the CUDA emulator's fiber switch is written for x86-64"
+#endif
+
+// switch(save, next): pushes the callee-saved registers, stores the stack pointer in *save, loads
+// next and pops the same frame from it. A new fiber's stack is laid out as such a frame whose
+// return address is the trampoline, with the fiber in r12. (The SSE / x87 control words are
+// callee-saved too, but nothing here changes them, so they are not switched.)
+asm(R"(
+.text
+.globl emu_switch
+.hidden emu_switch
+.type emu_switch,@function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size emu_switch, .-emu_switch
+
+.globl emu_trampoline
+.hidden emu_trampoline
+.type emu_trampoline,@function
+emu_trampoline:
+  movq %r12, %rdi
+  call emu_fiber_main
+  ud2
+.size emu_trampoline, .-emu_trampoline
+)");
+
+extern "C" void emu_switch(void** save, void* next);
+extern "C" void emu_trampoline();
+
+namespace emu {
+namespace {
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr size_t kMaxSmemOptIn = 227 * 1024;  // H100 / H200: 227 KiB per block
+
+struct Copy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+
+enum class State { kRunnable, kAtBarrier, kInCollective, kDone };
+
+struct Fiber {
+  void* sp = nullptr;
+  char* stack = nullptr;
+  uint3 tid{};
+  int linear = 0;
+  State state = State::kRunnable;
+  // the pending collective
+  Op op{};
+  unsigned mask = 0;
+  void* request = nullptr;
+  int* int_result = nullptr;
+  void* fake_stack = nullptr;  // ASan's bookkeeping while switched out
+  // cp.async groups
+  std::vector<std::vector<Copy>> committed;
+  std::vector<Copy> current;
+};
+
+struct WarpState {
+  int arrived = 0;
+  Op op{};
+  unsigned mask = 0;
+  unsigned exited = 0;  // lanes that have finished the kernel
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<WarpState> warps;
+  std::vector<int> runnable;
+  int at_barrier = 0, done = 0;
+  void* scheduler_sp = nullptr;
+  void* scheduler_fake_stack = nullptr;
+  const void* scheduler_bottom = nullptr;  // the scheduler's stack (ASan builds)
+  size_t scheduler_size = 0;
+  Fiber* running = nullptr;
+  std::string error;  // set: abandon the block
+};
+
+struct Emulator {
+  std::mutex launch_mutex;
+  uint64_t rng = 0x9E3779B97F4A7C15ull;  // xorshift64* state
+  bool random_order = true;
+  int num_sms = 132;
+  cudaError_t last_error = cudaSuccess;
+  std::string last_message;
+  std::map<const void*, size_t> smem_limits;
+  std::map<void*, uint64_t> shared_serial;
+  std::vector<char*> stacks;
+  std::vector<unsigned char> dynamic_smem;
+  uint64_t block_serial = 0;
+  Stats stats;
+  // the running launch
+  uint3 block_idx{};
+  dim3 grid{}, block{};
+  KernelBody body = nullptr;
+  void* closure = nullptr;
+  Block* current = nullptr;
+};
+
+Emulator& E() {
+  static Emulator e;
+  return e;
+}
+
+// Switches stacks: saves this context's stack pointer in *save_sp and resumes to_sp, whose stack
+// is [to_bottom, to_bottom + to_size). fake_stack: this context's ASan slot, nullptr when it will
+// never resume.
+void switch_context(void** save_sp, void** fake_stack, void* to_sp, const void* to_bottom, size_t to_size) {
+#ifdef EMU_ASAN
+  __sanitizer_start_switch_fiber(fake_stack, to_bottom, to_size);
+#else
+  (void)fake_stack, (void)to_bottom, (void)to_size;
+#endif
+  emu_switch(save_sp, to_sp);
+#ifdef EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake_stack ? *fake_stack : nullptr, nullptr, nullptr);
+#endif
+}
+
+void switch_to_fiber(void** save_sp, void** fake_stack, Fiber& to) {
+  switch_context(save_sp, fake_stack, to.sp, to.stack, kStackBytes);
+}
+
+char* stack_for(int i) {
+  Emulator& e = E();
+  while (static_cast<int>(e.stacks.size()) <= i) {
+    // A guard page below each stack turns an overflow into a fault instead of silent damage.
+    void* p = mmap(nullptr, kStackBytes + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("emu: cannot map a fiber stack");
+    mprotect(p, 4096, PROT_NONE);
+    e.stacks.push_back(static_cast<char*>(p) + 4096);
+  }
+  return e.stacks[i];
+}
+
+// Stops the block: the scheduler abandons every fiber (their stacks are simply reused).
+[[noreturn]] void fail(Block& b, const std::string& message);
+
+// The next thread to run, drawn from the runnable ones (or in thread order); nullptr if none.
+Fiber* pick_next(Block& b) {
+  if (b.runnable.empty()) return nullptr;
+  Emulator& e = E();
+  size_t pick = 0;
+  if (e.random_order) {
+    e.rng ^= e.rng >> 12, e.rng ^= e.rng << 25, e.rng ^= e.rng >> 27;
+    pick = static_cast<size_t>((e.rng * 0x2545F4914F6CDD1Dull) >> 32) % b.runnable.size();
+  }
+  const int next = b.runnable[pick];
+  b.runnable[pick] = b.runnable.back();
+  b.runnable.pop_back();
+  return &b.fibers[next];
+}
+
+// Hands the CPU from the running thread straight to the next runnable one (or back to the
+// scheduler when none is left: the block is done, or deadlocked).
+void yield(Block& b) {
+  Fiber* f = b.running;
+  Fiber* next = b.error.empty() ? pick_next(b) : nullptr;
+  if (next == f) return;
+  ++E().stats.switches;
+  void** fake = f->state == State::kDone ? nullptr : &f->fake_stack;  // a finished thread never resumes
+  if (next == nullptr) {
+    switch_context(&f->sp, fake, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
+  } else {
+    b.running = next;
+    switch_to_fiber(&f->sp, fake, *next);
+  }
+}
+
+void fail(Block& b, const std::string& message) {
+  if (b.error.empty()) b.error = message;
+  Fiber* f = b.running;
+  f->state = State::kDone;
+  for (;;) switch_context(&f->sp, nullptr, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
+}
+
+std::string thread_name(const Fiber& f) {
+  std::ostringstream s;
+  s << "thread (" << f.tid.x << "," << f.tid.y << "," << f.tid.z << ") of block (" << E().block_idx.x << ","
+    << E().block_idx.y << "," << E().block_idx.z << ")";
+  return s.str();
+}
+
+void make_runnable(Block& b, Fiber& f) {
+  f.state = State::kRunnable;
+  b.runnable.push_back(f.linear);
+}
+
+// ---- warp collectives ----------------------------------------------------------------------
+
+int lane_of(const Fiber& f) { return f.linear % 32; }
+
+void serve_shuffle(Block& b, int warp, unsigned mask) {
+  Fiber* lanes = &b.fibers[warp * 32];
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1)) continue;
+    auto* r = static_cast<ShuffleRequest*>(lanes[l].request);
+    const int w = r->width, base = l / w * w;
+    int src = l;
+    switch (r->mode) {
+      case 0: src = base + (r->arg % w + w) % w; break;
+      case 1: src = l - r->arg >= base ? l - r->arg : l; break;
+      case 2: src = l + r->arg < base + w ? l + r->arg : l; break;
+      case 3: src = (l ^ r->arg) / w == l / w ? (l ^ r->arg) : l; break;
+    }
+    if (!(mask >> src & 1)) {
+      fail(b, thread_name(lanes[l]) + " shuffles from lane " + std::to_string(src) + ", outside the mask");
+    }
+    r->result = static_cast<ShuffleRequest*>(lanes[src].request)->value;
+  }
+}
+
+void serve_ballot(Block& b, int warp, unsigned mask) {
+  Fiber* lanes = &b.fibers[warp * 32];
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) {
+    if ((mask >> l & 1) && *lanes[l].int_result) bits |= 1u << l;
+  }
+  for (int l = 0; l < 32; ++l) {
+    if (mask >> l & 1) *lanes[l].int_result = static_cast<int>(bits);
+  }
+}
+
+float half_bits_to_float(uint16_t h, bool bf16) {
+  if (bf16) {
+    const uint32_t w = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  }
+  __half_raw r;
+  r.x = h;
+  return __half2float(__half(r));
+}
+
+// mma.sync.m16n8k16.row.col.f32: fragments as in the PTX ISA. With g = lane / 4, t = lane % 4:
+// a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..] (low half first);
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1].
+void serve_mma(Block& b, int warp, bool bf16) {
+  Fiber* lanes = &b.fibers[warp * 32];
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const auto* r = static_cast<MmaRequest*>(lanes[l].request);
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i & 1) * 8, col = 2 * t + (i >> 1) * 8;
+      A[row][col] = half_bits_to_float(r->a[i] & 0xffff, bf16);
+      A[row][col + 1] = half_bits_to_float(r->a[i] >> 16, bf16);
+    }
+    for (int i = 0; i < 2; ++i) {
+      B[2 * t + 8 * i][g] = half_bits_to_float(r->b[i] & 0xffff, bf16);
+      B[2 * t + 8 * i + 1][g] = half_bits_to_float(r->b[i] >> 16, bf16);
+    }
+    C[g][2 * t] = r->d[0], C[g][2 * t + 1] = r->d[1], C[g + 8][2 * t] = r->d[2], C[g + 8][2 * t + 1] = r->d[3];
+  }
+  for (int l = 0; l < 32; ++l) {
+    auto* r = static_cast<MmaRequest*>(lanes[l].request);
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + (i >> 1) * 8, col = 2 * t + (i & 1);
+      float acc = C[row][col];
+      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      r->d[i] = acc;
+    }
+  }
+}
+
+// ldmatrix.sync.m8n8.x4.trans.b16: lanes 8j..8j+7 give the row addresses of matrix j (8 rows of
+// 8 16-bit elements); lane l receives r[j] = {M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]}.
+void serve_ldmatrix(Block& b, int warp) {
+  Fiber* lanes = &b.fibers[warp * 32];
+  for (int l = 0; l < 32; ++l) {
+    auto* r = static_cast<LdmatrixRequest*>(lanes[l].request);
+    const int t = l % 4, g = l / 4;
+    for (int j = 0; j < 4; ++j) {
+      uint16_t lo, hi;
+      const auto* row0 = static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t].request)->row);
+      const auto* row1 =
+          static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t + 1].request)->row);
+      std::memcpy(&lo, row0 + g, 2);
+      std::memcpy(&hi, row1 + g, 2);
+      r->r[j] = uint32_t(lo) | uint32_t(hi) << 16;
+    }
+  }
+}
+
+void serve_warp(Block& b, int warp) {
+  WarpState& w = b.warps[warp];
+  switch (w.op) {
+    case Op::kShuffle: serve_shuffle(b, warp, w.mask); break;
+    case Op::kBallot: serve_ballot(b, warp, w.mask); break;
+    case Op::kSyncWarp: break;
+    case Op::kMmaF16: serve_mma(b, warp, false); break;
+    case Op::kMmaBF16: serve_mma(b, warp, true); break;
+    case Op::kLdmatrixX4Trans: serve_ldmatrix(b, warp); break;
+  }
+  for (int l = 0; l < 32; ++l) {
+    if (w.mask >> l & 1) make_runnable(b, b.fibers[warp * 32 + l]);
+  }
+  w.arrived = 0;
+}
+
+// ---- block execution -----------------------------------------------------------------------
+
+void check_exit(Block& b, Fiber& f) {
+  if (b.at_barrier > 0) {
+    b.error = thread_name(f) + " exited while " + std::to_string(b.at_barrier) +
+              " threads wait at __syncthreads (a barrier not every thread reaches)";
+  }
+  const int warp = f.linear / 32;
+  b.warps[warp].exited |= 1u << lane_of(f);
+  if (b.warps[warp].arrived > 0 && (b.warps[warp].mask >> lane_of(f) & 1)) {
+    b.error = thread_name(f) + " exited while its warp waits for it in a collective";
+  }
+}
+
+std::string deadlock_report(const Block& b) {
+  std::ostringstream s;
+  s << "deadlock: no thread can run (" << b.at_barrier << " at __syncthreads, " << b.done << " exited";
+  for (size_t w = 0; w < b.warps.size(); ++w) {
+    if (b.warps[w].arrived) s << ", warp " << w << ": " << b.warps[w].arrived << " lanes in a collective";
+  }
+  s << ")";
+  return s.str();
+}
+
+void run_block(int num_threads) {
+  Emulator& e = E();
+  Block b;
+  e.current = &b;
+  b.fibers.resize(num_threads);
+  b.warps.resize((num_threads + 31) / 32);
+  ++e.block_serial;
+  if (!e.dynamic_smem.empty()) std::fill(e.dynamic_smem.begin(), e.dynamic_smem.end(), 0xFF);
+  for (int i = 0; i < num_threads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.linear = i;
+    f.tid = make_uint3(i % e.block.x, i / e.block.x % e.block.y, i / (e.block.x * e.block.y));
+    f.stack = stack_for(i);
+#ifdef EMU_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // frames of abandoned or finished threads
+#endif
+    // Initial frame for emu_switch: r15..r12 (r12 = the fiber), rbx, rbp, then the return
+    // address = trampoline, placed so the trampoline's call sees the ABI's 16-byte alignment.
+    auto* frame = reinterpret_cast<uint64_t*>(f.stack + kStackBytes - 128 + 8);
+    frame[0] = frame[1] = frame[2] = 0;                   // r15, r14, r13
+    frame[3] = reinterpret_cast<uint64_t>(&f);            // r12
+    frame[4] = frame[5] = 0;                              // rbx, rbp
+    frame[6] = reinterpret_cast<uint64_t>(&emu_trampoline);
+    f.sp = frame;
+    b.runnable.push_back(i);
+  }
+  // Threads hand over to each other (yield); control comes back here only when none can run.
+  while (b.done < num_threads && b.error.empty()) {
+    b.running = pick_next(b);
+    if (b.running == nullptr) {
+      b.error = deadlock_report(b);
+      break;
+    }
+    switch_to_fiber(&b.scheduler_sp, &b.scheduler_fake_stack, *b.running);
+  }
+  e.current = nullptr;
+  if (!b.error.empty()) throw std::runtime_error(b.error);
+}
+
+Block& block() {
+  Block* b = E().current;
+  if (b == nullptr) throw std::logic_error("emu: device code called outside a kernel launch");
+  return *b;
+}
+
+}  // namespace
+
+// ---- the API of cuda_emu.h -------------------------------------------------------------------
+
+const uint3& thread_idx() { return block().running->tid; }
+const uint3& block_idx() { return E().block_idx; }
+const dim3& block_dim() { return E().block; }
+const dim3& grid_dim() { return E().grid; }
+
+void sync_block() {
+  Block& b = block();
+  Fiber& f = *b.running;
+  if (b.done > 0) fail(b, thread_name(f) + " reached __syncthreads after another thread of its block exited");
+  f.state = State::kAtBarrier;
+  ++E().stats.barriers;
+  if (++b.at_barrier == static_cast<int>(b.fibers.size())) {
+    b.at_barrier = 0;
+    for (Fiber& o : b.fibers) make_runnable(b, o);
+  }
+  yield(b);
+}
+
+void warp_collective(Op op, unsigned mask, void* request, int* int_result) {
+  Block& b = block();
+  Fiber& f = *b.running;
+  const int warp = f.linear / 32, lane = lane_of(f);
+  const int warp_size = std::min(32, static_cast<int>(b.fibers.size()) - warp * 32);
+  const unsigned existing = warp_size == 32 ? 0xffffffffu : (1u << warp_size) - 1;
+  if (!(mask >> lane & 1)) fail(b, thread_name(f) + " is not in its own collective's mask");
+  if (mask & ~existing) fail(b, thread_name(f) + ": collective mask names lanes the block does not have");
+  const bool needs_full_warp = op == Op::kMmaF16 || op == Op::kMmaBF16 || op == Op::kLdmatrixX4Trans;
+  if (needs_full_warp && mask != 0xffffffffu) fail(b, thread_name(f) + ": mma / ldmatrix need the whole warp");
+  WarpState& w = b.warps[warp];
+  if (w.arrived == 0) {
+    w.op = op, w.mask = mask;
+  } else if (w.op != op || w.mask != mask) {
+    fail(b, thread_name(f) + " meets its warp at a different collective (divergent warp-synchronous code)");
+  }
+  if (mask & w.exited) {
+    fail(b, thread_name(f) + " waits in a collective for lane " + std::to_string(__builtin_ctz(mask & w.exited)) +
+                ", which has exited");
+  }
+  f.state = State::kInCollective;
+  f.op = op, f.mask = mask, f.request = request, f.int_result = int_result;
+  ++E().stats.collectives;
+  if (++w.arrived == __builtin_popcount(mask)) serve_warp(b, warp);
+  yield(b);
+}
+
+void* dynamic_smem() { return E().dynamic_smem.data(); }
+
+void shared_decl(void* address, size_t bytes) {
+  Emulator& e = E();
+  uint64_t& serial = e.shared_serial[address];
+  if (serial != e.block_serial) {
+    std::memset(address, 0xFF, bytes);
+    serial = e.block_serial;
+  }
+}
+
+void cp_async16(void* smem, const void* gmem, bool valid) {
+  block().running->current.push_back({smem, gmem, valid});
+}
+
+void cp_async_commit() {
+  Fiber& f = *block().running;
+  f.committed.push_back(std::move(f.current));
+  f.current.clear();
+}
+
+void cp_async_wait(int newest_pending) {
+  Fiber& f = *block().running;
+  const int land = static_cast<int>(f.committed.size()) - newest_pending;
+  for (int g = 0; g < land; ++g) {
+    for (const Copy& c : f.committed[g]) {
+      if (c.valid) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
+    }
+  }
+  if (land > 0) f.committed.erase(f.committed.begin(), f.committed.begin() + land);
+}
+
+void run_grid(const void* kernel, dim3 grid, dim3 block_dims, size_t smem, KernelBody body, void* closure) {
+  Emulator& e = E();
+  std::lock_guard<std::mutex> lock(e.launch_mutex);
+  const uint64_t threads = uint64_t(block_dims.x) * block_dims.y * block_dims.z;
+  const auto limit = e.smem_limits.count(kernel) ? e.smem_limits[kernel] : kDefaultSmem;
+  std::string bad;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
+    bad = "grid";
+  } else if (threads == 0 || threads > kMaxThreads || block_dims.z > 64) {
+    bad = "block";
+  } else if (smem > limit) {
+    bad = "dynamic shared memory (" + std::to_string(smem) + " bytes, limit " + std::to_string(limit) + ")";
+  }
+  if (!bad.empty()) {
+    if (e.last_error == cudaSuccess) {
+      e.last_error = cudaErrorInvalidConfiguration;
+      e.last_message = "emu: invalid launch configuration: " + bad;
+    }
+    return;
+  }
+  e.grid = grid, e.block = block_dims, e.body = body, e.closure = closure;
+  e.dynamic_smem.assign(smem, 0xFF);
+  ++e.stats.launches;
+  try {
+    for (unsigned z = 0; z < grid.z; ++z) {
+      for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+          e.block_idx = make_uint3(x, y, z);
+          ++e.stats.blocks;
+          run_block(static_cast<int>(threads));
+        }
+      }
+    }
+  } catch (const std::exception& ex) {
+    if (e.last_error == cudaSuccess) {
+      e.last_error = cudaErrorLaunchFailure;
+      e.last_message = std::string("emu: kernel failed: ") + ex.what();
+    }
+  }
+}
+
+void set_seed(uint64_t seed, bool random_order) {
+  E().rng = seed * 0x9E3779B97F4A7C15ull + 1;  // never 0: xorshift's fixed point
+  E().random_order = random_order;
+}
+void set_num_sms(int n) { E().num_sms = n; }
+int num_sms() { return E().num_sms; }
+Stats stats() { return E().stats; }
+
+}  // namespace emu
+
+// The fiber's first frame: run the kernel body, then hand back to the scheduler for good.
+extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(emu::Fiber* f) {
+  emu::Emulator& e = emu::E();
+  emu::Block& b = *e.current;
+#ifdef EMU_ASAN
+  // The first thread of a block starts from the scheduler's stack: remember its bounds.
+  const void* from_bottom = nullptr;
+  size_t from_size = 0;
+  __sanitizer_finish_switch_fiber(nullptr, &from_bottom, &from_size);
+  if (b.scheduler_size == 0) b.scheduler_bottom = from_bottom, b.scheduler_size = from_size;
+#endif
+  e.body(e.closure);
+  f->state = emu::State::kDone;
+  ++b.done;
+  emu::check_exit(b, *f);
+  emu::yield(b);  // never resumed: a finished thread is not runnable
+  for (;;) emu::switch_context(&f->sp, nullptr, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
+}
+
+// ---- CUDA runtime calls made by the op glue and launchers ------------------------------------
+extern "C" {
+cudaError_t cudaGetLastError() {
+  emu::Emulator& e = emu::E();
+  const cudaError_t err = e.last_error;
+  e.last_error = cudaSuccess;
+  return err;
+}
+cudaError_t cudaPeekAtLastError() { return emu::E().last_error; }
+const char* cudaGetErrorString(cudaError_t err) {
+  return err == cudaSuccess ? "no error" : emu::E().last_message.empty() ? "emu error" : emu::E().last_message.c_str();
+}
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    if (value < 0 || static_cast<size_t>(value) > emu::kMaxSmemOptIn) return cudaErrorInvalidValue;
+    emu::E().smem_limits[func] = static_cast<size_t>(value);
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrMultiProcessorCount ? emu::E().num_sms : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaHostGetDevicePointer(void** device_ptr, void* host_ptr, unsigned int) {
+  *device_ptr = host_ptr;  // one address space
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind, cudaStream_t) {
+  std::memcpy(dst, src, count);
+  return cudaSuccess;
+}
+}
