@@ -118,7 +118,8 @@ def stage_sources(src_dir):
         _write_if_changed(target, text)
         if target.suffix == ".cpp":
             units.append(target)
-    units += [RUNTIME / "emu_runtime.cpp", RUNTIME / "emu_glue.cpp", RUNTIME / "emu_bindings.cpp"]
+    units += [RUNTIME / name for name in ("emu_runtime.cpp", "emu_collectives.cpp", "emu_cuda_api.cpp",
+                                           "emu_probes.cpp", "emu_glue.cpp", "emu_bindings.cpp")]
     return units
 
 

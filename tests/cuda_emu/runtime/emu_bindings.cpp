@@ -8,21 +8,6 @@
 
 namespace py = pybind11;
 
-namespace {
-
-// A planted bug for the AddressSanitizer build's own test: one warp of emulated threads, each
-// reading x[thread + offset], so offset > numel - 32 reads past the tensor's end.
-void overrun_kernel(const float* x, int offset, float* sink) {
-  *sink += x[emu::thread_idx().x + offset];
-}
-
-float probe_overrun(const at::Tensor& x, int64_t offset) {
-  float sink = 0.f;
-  emu::launch(&overrun_kernel, dim3(1), dim3(32))(x.data_ptr<float>(), static_cast<int>(offset), &sink);
-  return sink;
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpage's CUDA kernels run by a CPU emulator (tests only)";
@@ -46,7 +31,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           bool check_ranges) { kvpage::cuda::copy_blocks(k, v, mapping, check_ranges); });
   m.def("swap_blocks", [](std::vector<at::Tensor> src, std::vector<at::Tensor> dst, const at::Tensor& mapping,
                           bool check_ranges) { kvpage::cuda::swap_blocks(src, dst, mapping, check_ranges); });
-  m.def("probe_overrun", &probe_overrun, "reads x[i + offset] for i < 32 in an emulated kernel (a planted bug)");
+  m.def("probe_overrun", [](const at::Tensor& x, int64_t offset) {
+    return emu::probe_overrun(x.data_ptr<float>(), static_cast<int>(offset));
+  });
+  m.def("probe_missing_barrier", &emu::probe_missing_barrier);
+  m.def("probe_divergent_barrier", &emu::probe_divergent_barrier);
+  m.def("probe_early_cp_async_read", &emu::probe_early_cp_async_read);
+  m.def("probe_smem_without_opt_in", &emu::probe_smem_without_opt_in);
   m.def("set_seed", &emu::set_seed, py::arg("seed"), py::arg("random_order") = true);
   m.def("set_num_sms", &emu::set_num_sms);
   m.def("stats", [] {

@@ -1,7 +1,7 @@
 // The emulator's scheduler (see cuda_emu.h): blocks one after another, the threads of a block as
-// fibers on one OS thread, barriers and warp collectives served by their last arrival, plus the
-// few CUDA runtime calls the op glue makes.
-#include "emu_runtime.h"
+// fibers on one OS thread, barriers, warp-collective arrivals (served in emu_collectives.cpp),
+// shared memory and cp.async; the launch itself.
+#include "emu_internal.h"
 
 #include <cuda_fp16.h>
 
@@ -70,83 +70,8 @@ extern "C" void emu_switch(void** save, void* next);
 extern "C" void emu_trampoline();
 
 namespace emu {
-namespace {
+namespace detail {
 
-constexpr size_t kStackBytes = 256 * 1024;
-constexpr int kMaxThreads = 1024;
-constexpr size_t kDefaultSmem = 48 * 1024;
-constexpr size_t kMaxSmemOptIn = 227 * 1024;  // H100 / H200: 227 KiB per block
-
-struct Copy {
-  void* dst;
-  const void* src;
-  bool valid;
-};
-
-enum class State { kRunnable, kAtBarrier, kInCollective, kDone };
-
-struct Fiber {
-  void* sp = nullptr;
-  char* stack = nullptr;
-  uint3 tid{};
-  int linear = 0;
-  State state = State::kRunnable;
-  // the pending collective
-  Op op{};
-  unsigned mask = 0;
-  void* request = nullptr;
-  int* int_result = nullptr;
-  void* fake_stack = nullptr;  // ASan's bookkeeping while switched out
-  // cp.async groups
-  std::vector<std::vector<Copy>> committed;
-  std::vector<Copy> current;
-};
-
-struct WarpState {
-  int arrived = 0;
-  Op op{};
-  unsigned mask = 0;
-  unsigned exited = 0;  // lanes that have finished the kernel
-};
-
-struct Block {
-  std::vector<Fiber> fibers;
-  std::vector<WarpState> warps;
-  std::vector<int> runnable;
-  int at_barrier = 0, done = 0;
-  void* scheduler_sp = nullptr;
-  void* scheduler_fake_stack = nullptr;
-  const void* scheduler_bottom = nullptr;  // the scheduler's stack (ASan builds)
-  size_t scheduler_size = 0;
-  Fiber* running = nullptr;
-  std::string error;  // set: abandon the block
-};
-
-struct Emulator {
-  std::mutex launch_mutex;
-  uint64_t rng = 0x9E3779B97F4A7C15ull;  // xorshift64* state
-  bool random_order = true;
-  int num_sms = 132;
-  cudaError_t last_error = cudaSuccess;
-  std::string last_message;
-  std::map<const void*, size_t> smem_limits;
-  std::map<void*, uint64_t> shared_serial;
-  std::vector<char*> stacks;
-  std::vector<unsigned char> dynamic_smem;
-  uint64_t block_serial = 0;
-  Stats stats;
-  // the running launch
-  uint3 block_idx{};
-  dim3 grid{}, block{};
-  KernelBody body = nullptr;
-  void* closure = nullptr;
-  Block* current = nullptr;
-};
-
-Emulator& E() {
-  static Emulator e;
-  return e;
-}
 
 // Switches stacks: saves this context's stack pointer in *save_sp and resumes to_sp, whose stack
 // is [to_bottom, to_bottom + to_size). fake_stack: this context's ASan slot, nullptr when it will
@@ -178,9 +103,6 @@ char* stack_for(int i) {
   }
   return e.stacks[i];
 }
-
-// Stops the block: the scheduler abandons every fiber (their stacks are simply reused).
-[[noreturn]] void fail(Block& b, const std::string& message);
 
 // The next thread to run, drawn from the runnable ones (or in thread order); nullptr if none.
 Fiber* pick_next(Block& b) {
@@ -230,120 +152,6 @@ std::string thread_name(const Fiber& f) {
 void make_runnable(Block& b, Fiber& f) {
   f.state = State::kRunnable;
   b.runnable.push_back(f.linear);
-}
-
-// ---- warp collectives ----------------------------------------------------------------------
-
-int lane_of(const Fiber& f) { return f.linear % 32; }
-
-void serve_shuffle(Block& b, int warp, unsigned mask) {
-  Fiber* lanes = &b.fibers[warp * 32];
-  for (int l = 0; l < 32; ++l) {
-    if (!(mask >> l & 1)) continue;
-    auto* r = static_cast<ShuffleRequest*>(lanes[l].request);
-    const int w = r->width, base = l / w * w;
-    int src = l;
-    switch (r->mode) {
-      case 0: src = base + (r->arg % w + w) % w; break;
-      case 1: src = l - r->arg >= base ? l - r->arg : l; break;
-      case 2: src = l + r->arg < base + w ? l + r->arg : l; break;
-      case 3: src = (l ^ r->arg) / w == l / w ? (l ^ r->arg) : l; break;
-    }
-    if (!(mask >> src & 1)) {
-      fail(b, thread_name(lanes[l]) + " shuffles from lane " + std::to_string(src) + ", outside the mask");
-    }
-    r->result = static_cast<ShuffleRequest*>(lanes[src].request)->value;
-  }
-}
-
-void serve_ballot(Block& b, int warp, unsigned mask) {
-  Fiber* lanes = &b.fibers[warp * 32];
-  unsigned bits = 0;
-  for (int l = 0; l < 32; ++l) {
-    if ((mask >> l & 1) && *lanes[l].int_result) bits |= 1u << l;
-  }
-  for (int l = 0; l < 32; ++l) {
-    if (mask >> l & 1) *lanes[l].int_result = static_cast<int>(bits);
-  }
-}
-
-float half_bits_to_float(uint16_t h, bool bf16) {
-  if (bf16) {
-    const uint32_t w = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  __half_raw r;
-  r.x = h;
-  return __half2float(__half(r));
-}
-
-// mma.sync.m16n8k16.row.col.f32: fragments as in the PTX ISA. With g = lane / 4, t = lane % 4:
-// a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..] (low half first);
-// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1].
-void serve_mma(Block& b, int warp, bool bf16) {
-  Fiber* lanes = &b.fibers[warp * 32];
-  float A[16][16], B[16][8], C[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const auto* r = static_cast<MmaRequest*>(lanes[l].request);
-    const int g = l / 4, t = l % 4;
-    for (int i = 0; i < 4; ++i) {
-      const int row = g + (i & 1) * 8, col = 2 * t + (i >> 1) * 8;
-      A[row][col] = half_bits_to_float(r->a[i] & 0xffff, bf16);
-      A[row][col + 1] = half_bits_to_float(r->a[i] >> 16, bf16);
-    }
-    for (int i = 0; i < 2; ++i) {
-      B[2 * t + 8 * i][g] = half_bits_to_float(r->b[i] & 0xffff, bf16);
-      B[2 * t + 8 * i + 1][g] = half_bits_to_float(r->b[i] >> 16, bf16);
-    }
-    C[g][2 * t] = r->d[0], C[g][2 * t + 1] = r->d[1], C[g + 8][2 * t] = r->d[2], C[g + 8][2 * t + 1] = r->d[3];
-  }
-  for (int l = 0; l < 32; ++l) {
-    auto* r = static_cast<MmaRequest*>(lanes[l].request);
-    const int g = l / 4, t = l % 4;
-    for (int i = 0; i < 4; ++i) {
-      const int row = g + (i >> 1) * 8, col = 2 * t + (i & 1);
-      float acc = C[row][col];
-      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-      r->d[i] = acc;
-    }
-  }
-}
-
-// ldmatrix.sync.m8n8.x4.trans.b16: lanes 8j..8j+7 give the row addresses of matrix j (8 rows of
-// 8 16-bit elements); lane l receives r[j] = {M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]}.
-void serve_ldmatrix(Block& b, int warp) {
-  Fiber* lanes = &b.fibers[warp * 32];
-  for (int l = 0; l < 32; ++l) {
-    auto* r = static_cast<LdmatrixRequest*>(lanes[l].request);
-    const int t = l % 4, g = l / 4;
-    for (int j = 0; j < 4; ++j) {
-      uint16_t lo, hi;
-      const auto* row0 = static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t].request)->row);
-      const auto* row1 =
-          static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t + 1].request)->row);
-      std::memcpy(&lo, row0 + g, 2);
-      std::memcpy(&hi, row1 + g, 2);
-      r->r[j] = uint32_t(lo) | uint32_t(hi) << 16;
-    }
-  }
-}
-
-void serve_warp(Block& b, int warp) {
-  WarpState& w = b.warps[warp];
-  switch (w.op) {
-    case Op::kShuffle: serve_shuffle(b, warp, w.mask); break;
-    case Op::kBallot: serve_ballot(b, warp, w.mask); break;
-    case Op::kSyncWarp: break;
-    case Op::kMmaF16: serve_mma(b, warp, false); break;
-    case Op::kMmaBF16: serve_mma(b, warp, true); break;
-    case Op::kLdmatrixX4Trans: serve_ldmatrix(b, warp); break;
-  }
-  for (int l = 0; l < 32; ++l) {
-    if (w.mask >> l & 1) make_runnable(b, b.fibers[warp * 32 + l]);
-  }
-  w.arrived = 0;
 }
 
 // ---- block execution -----------------------------------------------------------------------
@@ -415,7 +223,9 @@ Block& block() {
   return *b;
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 // ---- the API of cuda_emu.h -------------------------------------------------------------------
 
@@ -548,9 +358,10 @@ Stats stats() { return E().stats; }
 }  // namespace emu
 
 // The fiber's first frame: run the kernel body, then hand back to the scheduler for good.
-extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(emu::Fiber* f) {
-  emu::Emulator& e = emu::E();
-  emu::Block& b = *e.current;
+extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(emu::detail::Fiber* f) {
+  using namespace emu::detail;
+  Emulator& e = E();
+  Block& b = *e.current;
 #ifdef EMU_ASAN
   // The first thread of a block starts from the scheduler's stack: remember its bounds.
   const void* from_bottom = nullptr;
@@ -559,46 +370,9 @@ extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(emu::
   if (b.scheduler_size == 0) b.scheduler_bottom = from_bottom, b.scheduler_size = from_size;
 #endif
   e.body(e.closure);
-  f->state = emu::State::kDone;
+  f->state = State::kDone;
   ++b.done;
-  emu::check_exit(b, *f);
-  emu::yield(b);  // never resumed: a finished thread is not runnable
-  for (;;) emu::switch_context(&f->sp, nullptr, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
-}
-
-// ---- CUDA runtime calls made by the op glue and launchers ------------------------------------
-extern "C" {
-cudaError_t cudaGetLastError() {
-  emu::Emulator& e = emu::E();
-  const cudaError_t err = e.last_error;
-  e.last_error = cudaSuccess;
-  return err;
-}
-cudaError_t cudaPeekAtLastError() { return emu::E().last_error; }
-const char* cudaGetErrorString(cudaError_t err) {
-  return err == cudaSuccess ? "no error" : emu::E().last_message.empty() ? "emu error" : emu::E().last_message.c_str();
-}
-cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
-  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
-    if (value < 0 || static_cast<size_t>(value) > emu::kMaxSmemOptIn) return cudaErrorInvalidValue;
-    emu::E().smem_limits[func] = static_cast<size_t>(value);
-  }
-  return cudaSuccess;
-}
-cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
-  return cudaSuccess;
-}
-cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrMultiProcessorCount ? emu::E().num_sms : 0;
-  return cudaSuccess;
-}
-cudaError_t cudaHostGetDevicePointer(void** device_ptr, void* host_ptr, unsigned int) {
-  *device_ptr = host_ptr;  // one address space
-  return cudaSuccess;
-}
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind, cudaStream_t) {
-  std::memcpy(dst, src, count);
-  return cudaSuccess;
-}
+  check_exit(b, *f);
+  yield(b);  // never resumed: a finished thread is not runnable
+  for (;;) switch_context(&f->sp, nullptr, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
 }

@@ -20,4 +20,11 @@ void set_num_sms(int n);
 int num_sms();
 Stats stats();
 
+// Planted bugs the emulator must expose (emu_probes.cpp); each returns what it observed.
+float probe_overrun(const float* x, int offset);  // reads x[i + offset], i < 32
+int probe_missing_barrier();                       // threads that read before the write
+std::string probe_divergent_barrier();             // the launch's error message
+int probe_early_cp_async_read();                   // threads that saw their copy early
+std::string probe_smem_without_opt_in();           // the launch's error message
+
 }  // namespace emu
