@@ -2,11 +2,13 @@
 // test_emu_probes.py) expect it to expose: a read past a tensor (for the ASan build), a shared
 // memory read with no barrier after the write, a barrier half the block never reaches, a read of
 // a cp.async destination before its wait_group, and dynamic shared memory beyond the default
-// 48 KiB without cudaFuncSetAttribute.
+// 48 KiB without cudaFuncSetAttribute. Plus one cross-check: the emulator compiles the sm_80 path
+// of fp8x2_to_half2 (no __CUDA_ARCH__ here); it must equal CUDA's own conversion, the sm_89+ path.
 #include "cuda_emu.h"
 
 #include <string>
 
+#include "device_utils.cuh"  // the staged copy of csrc/cuda's
 #include "emu_runtime.h"
 
 namespace {
@@ -72,6 +74,19 @@ int probe_early_cp_async_read() {
 std::string probe_smem_without_opt_in() {
   launch(&big_smem_kernel, dim3(1), dim3(32), 64 * 1024)();
   return check(cudaGetLastError());
+}
+
+int probe_fp8_conversion_mismatches() {
+  int mismatches = 0;
+  for (uint32_t pair = 0; pair < 0x10000; ++pair) {
+    if ((pair & 0x7f) == 0x7f || (pair >> 8 & 0x7f) == 0x7f) continue;  // NaN codes: +-480 vs NaN, by design
+    const __half2 bit_trick = kvpage::cuda::fp8x2_to_half2(pair);
+    const __half2_raw cuda = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+    uint32_t a, b = uint32_t(cuda.x) | uint32_t(cuda.y) << 16;
+    std::memcpy(&a, &bit_trick, 4);
+    mismatches += a != b;
+  }
+  return mismatches;
 }
 
 }  // namespace emu

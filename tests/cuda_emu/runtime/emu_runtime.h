@@ -26,5 +26,6 @@ int probe_missing_barrier();                       // threads that read before t
 std::string probe_divergent_barrier();             // the launch's error message
 int probe_early_cp_async_read();                   // threads that saw their copy early
 std::string probe_smem_without_opt_in();           // the launch's error message
+int probe_fp8_conversion_mismatches();              // sm_80 fp8 path vs CUDA's conversion, non-NaN pairs
 
 }  // namespace emu
