@@ -31,7 +31,7 @@ def ints(values, dtype=torch.int32):
 
 def caches(dtype, num_kv_heads, head_size):
     key_cache, value_cache = B.ops.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype,
-                                                   device=B.device)
+                                                     device=B.device)
     for cache in (key_cache, value_cache):
         cache.copy_(torch.randn(cache.shape, device=B.device).to(dtype))
     return key_cache, value_cache
@@ -48,7 +48,7 @@ def exercise(cache_dtype, query_dtype, heads, head_size):
     # reshape_and_cache: a good slot, padding, one past the end, far past, negative.
     B.ops.reshape_and_cache(key, value, key_cache, value_cache, ints([5, -1, num_slots], torch.int64), **scales)
     B.ops.reshape_and_cache(key, value, key_cache, value_cache, ints([1 << 40, -7, num_slots - 1], torch.int64),
-                          **scales)
+                            **scales)
     # Misaligned (scalar-kernel) sources: a view one element into a padded row.
     padded = torch.randn(3, num_kv_heads * head_size + 1, device=B.device).to(query_dtype)
     odd = padded[:, 1:].view(3, num_kv_heads, head_size)
@@ -62,13 +62,13 @@ def exercise(cache_dtype, query_dtype, heads, head_size):
     for tables, lens in ((good_tables, good_lens), (bad_tables, bad_lens)):
         for partition_size in (None, 16, 4096):
             B.ops.paged_attention(query, key_cache, value_cache, tables, lens, partition_size=partition_size,
-                                **scales)
+                                  **scales)
 
     # Prefill: good, then a broken query_start_loc and lengths.
     B.ops.paged_prefill_attention(query, key_cache, value_cache, good_tables, ints([0, 1, 2, 3]), ints([64, 17, 5]),
-                                **scales)
+                                  **scales)
     B.ops.paged_prefill_attention(query, key_cache, value_cache, bad_tables, ints([0, 5, -100, 1 << 30]),
-                                ints([1 << 25, 2, -4]), **scales)
+                                  ints([1 << 25, 2, -4]), **scales)
 
     # Block moves: in range, then sources / destinations outside the cache.
     B.ops.copy_blocks([key_cache], [value_cache], [[0, 1], [2, 3]])

@@ -52,7 +52,7 @@ def make_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, gen, k_sc
     """Random N(0, 1) caches; an fp8 one holds them quantised with the given scales (so small
     scales give large codes, large ones many subnormal codes), dequantising to about N(0, 1)."""
     key_cache, value_cache = B.ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size,
-                                                   dtype=dtype, device=B.device)
+                                                     dtype=dtype, device=B.device)
     for cache, scale in ((key_cache, k_scale), (value_cache, v_scale)):
         values = torch.randn(cache.shape, generator=gen)
         cache.copy_(reference.quantize_fp8(values, scale) if dtype == FP8 else values.to(dtype))
@@ -102,7 +102,7 @@ def run_decode(dtype, head_size, heads, block_size, seq_lens, partition_size=Non
     query = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, gen)[0]
     lens = ints(seq_lens)
     out = B.ops.paged_attention(query, key_cache, value_cache, tables, lens, partition_size=partition_size,
-                              k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale)
     args = reference_inputs(query, key_cache, value_cache, tables, lens)
     assert_close(out.to(args[0].device), reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale))
 
@@ -147,7 +147,7 @@ def run_prefill(dtype, head_size, heads, block_size, q_lens, ctx_lens, seed=0, c
     starts = ints([0] + torch.tensor(q_lens).cumsum(0).tolist())
     lens = ints(seq_lens)
     out = B.ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens, k_scale=k_scale,
-                                      v_scale=v_scale)
+                                        v_scale=v_scale)
     args = reference_inputs(query, key_cache, value_cache, tables, starts, lens)
     expected = reference.paged_prefill_attention(*args, k_scale=k_scale, v_scale=v_scale)
     assert_close(out.to(expected.device), expected)
@@ -252,7 +252,7 @@ def check_fp8_write(key, value, num_blocks, block_size, k_scale, v_scale, gen, s
     7th token skipped unless given. Returns the caches."""
     num_tokens, num_kv_heads, head_size = key.shape
     key_cache, value_cache = B.ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=FP8,
-                                                   device=B.device)
+                                                     device=B.device)
     key_cache.view(torch.uint8).fill_(0x5A), value_cache.view(torch.uint8).fill_(0x5A)  # skipped slots stay
     if slots is None:
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -353,12 +353,12 @@ def test_fp8_attention_reads_every_code_exactly(partition_size):
     tables = torch.zeros(num_seqs, 65, dtype=torch.int32, device=B.device)
     tables[:, 0] = torch.arange(num_seqs, dtype=torch.int32, device=B.device)
     out = B.ops.paged_attention(query, key_cache, value_cache, tables, ints([1] * num_seqs), v_scale=v_scale,
-                              partition_size=partition_size)
+                                partition_size=partition_size)
     expected = value_cache.view(num_seqs, head_size).float() * v_scale
     assert torch.equal(out.view(num_seqs, head_size), expected)
     starts = ints(list(range(num_seqs + 1)))
     out = B.ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, ints([1] * num_seqs),
-                                      v_scale=v_scale)
+                                        v_scale=v_scale)
     assert torch.equal(out.view(num_seqs, head_size), expected)
 
 
@@ -409,7 +409,7 @@ def test_scales_on_non_fp8_caches_raise():
         B.ops.paged_prefill_attention(query, key_cache, value_cache, tables, ints([0, 1, 2]), lens, v_scale=0.5)
     with pytest.raises(ValueError, match="k_scale"):
         B.ops.reshape_and_cache(query[:, :2], query[:, 2:], key_cache, value_cache, ints([0, 1], torch.int64),
-                              k_scale=0.37)
+                                k_scale=0.37)
 
 
 def test_fp8_dtype_rules():
@@ -438,7 +438,7 @@ def test_range_checks_name_the_argument():
         B.ops.paged_attention(query, key_cache, value_cache, tables, ints([20, 33]))
     with pytest.raises(ValueError, match="slot_mapping"):
         B.ops.reshape_and_cache(query[:, :2], query[:, 2:], key_cache, value_cache,
-                              ints([0, 8 * 16], torch.int64))
+                                ints([0, 8 * 16], torch.int64))
     with pytest.raises(ValueError, match="query_start_loc"):
         B.ops.paged_prefill_attention(query, key_cache, value_cache, tables, ints([0, 2, 1]), lens)
     with pytest.raises(ValueError, match="block_mapping"):
@@ -451,11 +451,11 @@ def test_unchecked_bad_indices_stay_in_bounds(cache_dtype):
     query, key_cache, value_cache, _, _ = decode_inputs(cache_dtype)
     with ops.range_checks(False):
         B.ops.paged_attention(query, key_cache, value_cache, ints([[0, 1 << 30], [-5, 3]]),
-                            ints([1 << 20, -3]))
+                              ints([1 << 20, -3]))
         B.ops.paged_prefill_attention(query, key_cache, value_cache, ints([[0, 1], [7, 1 << 29]]),
-                                    ints([5, -100, 1 << 30]), ints([1 << 25, 2]))
+                                      ints([5, -100, 1 << 30]), ints([1 << 25, 2]))
         B.ops.reshape_and_cache(query[:, :2], query[:, 2:], key_cache, value_cache,
-                              ints([1 << 40, -7], torch.int64))
+                                ints([1 << 40, -7], torch.int64))
         B.ops.copy_blocks([key_cache], [value_cache], [[0, 1 << 40]])
     B.synchronize()
 
