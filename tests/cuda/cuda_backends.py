@@ -70,7 +70,9 @@ def get_backend(name, asan=False):
             paged_attention=ops.paged_attention, paged_prefill_attention=ops.paged_prefill_attention,
             copy_blocks=ops.copy_blocks, swap_blocks=ops.swap_blocks))
     module = emu_module(asan)
-    module.set_seed(0)
+    # The threads' order: seed 0 unless KVPAGE_CUDA_EMU_SEED picks another (each seed is another
+    # interleaving of every block's threads).
+    module.set_seed(int(os.environ.get("KVPAGE_CUDA_EMU_SEED", "0")))
     module.set_num_sms(132)  # an H100 / H200
     faces = types.SimpleNamespace(allocate_kv_cache=ops.allocate_kv_cache)
     for face in (attention.paged_attention, attention.paged_prefill_attention, cache.reshape_and_cache,
