@@ -27,7 +27,7 @@ void* dynamic_smem();
 void shared_decl(void* address, size_t bytes);
 
 // Warp collectives: every lane of the warp in `mask` arrives with a request; the last arrival
-// serves them all. kinds: see emu_runtime.cpp.
+// serves them all (emu_collectives.cpp).
 enum class Op : int { kShuffle, kBallot, kSyncWarp, kMmaF16, kMmaBF16, kLdmatrixX4Trans };
 struct ShuffleRequest {
   uint64_t value;  // the lane's var, bit-copied (up to 8 bytes)

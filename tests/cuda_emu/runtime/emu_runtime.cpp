@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
-#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -185,7 +184,7 @@ void run_block(int num_threads) {
   b.fibers.resize(num_threads);
   b.warps.resize((num_threads + 31) / 32);
   ++e.block_serial;
-  if (!e.dynamic_smem.empty()) std::fill(e.dynamic_smem.begin(), e.dynamic_smem.end(), 0xFF);
+  std::fill(e.dynamic_smem.begin(), e.dynamic_smem.end(), 0xFF);  // each block starts poisoned
   for (int i = 0; i < num_threads; ++i) {
     Fiber& f = b.fibers[i];
     f.linear = i;
@@ -327,7 +326,7 @@ void run_grid(const void* kernel, dim3 grid, dim3 block_dims, size_t smem, Kerne
     return;
   }
   e.grid = grid, e.block = block_dims, e.body = body, e.closure = closure;
-  e.dynamic_smem.assign(smem, 0xFF);
+  e.dynamic_smem.resize(smem);  // filled per block by run_block
   ++e.stats.launches;
   try {
     for (unsigned z = 0; z < grid.z; ++z) {
