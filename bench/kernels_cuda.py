@@ -9,7 +9,8 @@ Decode: batch 1/16/64/256 x context 512/2048/8192; prefill: 1k and 4k tokens; Ll
 (32 q / 8 kv heads x 128) and SmolLM2 (9 / 3 x 64), fp16, block size 16, block tables a random
 permutation of the cache (scattered pages). Baseline: torch SDPA with the FLASH backend on the
 same K/V laid out contiguously. fp8 (e4m3) cache decode rows (Llama-3-8B shape, fp16 queries)
-count bandwidth in fp8 bytes and compare with the fp16 cache at the same shape. L2 is flushed (a
+count bandwidth in fp8 bytes and compare with the fp16 cache at the same shape; fp8 prefill rows
+(the same shape, 1k / 4k tokens) compare the two caches' prefill times. L2 is flushed (a
 512 MiB memset) before every timed call; times are the median of CUDA-event timings.
 
 Writes JSON to $OUT/kernels_cuda.json if $OUT is set, else bench/results/kernels_cuda.json, after
@@ -173,6 +174,15 @@ def quantize_cache_into(torch, fp8_cache, cache, scale, chunk_blocks=4096):
         fp8_cache[chunk].copy_(reference.quantize_fp8(cache[chunk], scale))
 
 
+def fp8_copy(torch, ops, key_cache, value_cache):
+    """fp8 (e4m3) caches holding key_cache / value_cache quantised with FP8_SCALE."""
+    num_blocks, hkv, _, d = key_cache.shape
+    fp8_caches = ops.allocate_kv_cache(num_blocks, BLOCK_SIZE, hkv, d, dtype=torch.float8_e4m3fn, device="cuda")
+    for fp8_cache, cache in zip(fp8_caches, (key_cache, value_cache)):
+        quantize_cache_into(torch, fp8_cache, cache, FP8_SCALE)
+    return fp8_caches
+
+
 def bench_decode_fp8(torch, ops, timer, batch, ctx, copy_bw, gen, name="llama3-8b"):
     """fp8 cache vs fp16 cache decode at one shape: the same K/V (the fp8 one quantised from the
     fp16 one), tables and fp16 queries, timed back to back."""
@@ -182,10 +192,7 @@ def bench_decode_fp8(torch, ops, timer, batch, ctx, copy_bw, gen, name="llama3-8
     query = torch.randn(batch, hq, d, device="cuda", dtype=torch.float16, generator=gen)
     out16, out8 = torch.empty_like(query), torch.empty_like(query)
     t_fp16 = timer(lambda: ops.paged_attention(query, key_cache, value_cache, tables, seq_lens, out=out16))
-    fp8_caches = ops.allocate_kv_cache(key_cache.shape[0], BLOCK_SIZE, hkv, d, dtype=torch.float8_e4m3fn,
-                                       device="cuda")
-    for fp8_cache, cache in zip(fp8_caches, (key_cache, value_cache)):
-        quantize_cache_into(torch, fp8_cache, cache, FP8_SCALE)
+    fp8_caches = fp8_copy(torch, ops, key_cache, value_cache)
     del key_cache, value_cache
     t_fp8 = timer(lambda: ops.paged_attention(query, *fp8_caches, tables, seq_lens, out=out8, k_scale=FP8_SCALE,
                                               v_scale=FP8_SCALE))
@@ -217,6 +224,26 @@ def bench_prefill(torch, ops, timer, name, tokens, gen):
     except RuntimeError as e:
         row["flash_error"] = str(e).splitlines()[0][:200]
     return row
+
+
+def bench_prefill_fp8(torch, ops, timer, name, tokens, gen):
+    """fp8 cache vs fp16 cache prefill (both on tensor cores) at one shape: the same K/V (the fp8
+    one quantised from the fp16 one), tables and fp16 queries, timed back to back."""
+    hq, hkv, d = SHAPES[name]
+    key_cache, value_cache, tables = paged_cache(torch, ops, 1, tokens, hkv, d, gen)
+    query = torch.randn(tokens, hq, d, device="cuda", dtype=torch.float16, generator=gen)
+    starts = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    out16, out8 = torch.empty_like(query), torch.empty_like(query)
+    t_fp16 = timer(lambda: ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, seq_lens,
+                                                       out=out16))
+    fp8_caches = fp8_copy(torch, ops, key_cache, value_cache)
+    t_fp8 = timer(lambda: ops.paged_prefill_attention(query, *fp8_caches, tables, starts, seq_lens, out=out8,
+                                                      k_scale=FP8_SCALE, v_scale=FP8_SCALE))
+    flops = 4 * hq * d * tokens * (tokens + 1) / 2
+    return dict(kind="prefill_fp8", shape=name, tokens=tokens, paged_s=t_fp8, paged_tflops=flops / t_fp8 / 1e12,
+                fp16_paged_s=t_fp16, fp8_over_fp16=t_fp8 / t_fp16,
+                max_abs_err_vs_fp16=(out8.float() - out16.float()).abs().max().item(), scale=FP8_SCALE)
 
 
 def bench_swap_and_copy(torch, ops, timer, copy_bw, layers=8, blocks=4096, moved=2048):
@@ -303,8 +330,8 @@ def run_case(torch, recorder, describe, fn):
 
 
 def cases(args):
-    """(description, callable(torch, ops, timer, copy_bw, gen)) in run order: the fp8 decode rows
-    first (quick, and the newest kernels), then the fp16 matrix, then swap / copy_blocks."""
+    """(description, callable(torch, ops, timer, copy_bw, gen)) in run order: the fp8 decode and
+    prefill rows first (quick, and the newest kernels), then the fp16 matrix, then swap / copy_blocks."""
     shapes = [s for s in args.shapes.split(",") if s]
     batches, contexts, prefills = DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS
     fp8_cases = FP8_DECODE_CASES
@@ -320,7 +347,11 @@ def cases(args):
     def prefill(name, tokens):
         return lambda torch, ops, timer, bw, gen: bench_prefill(torch, ops, timer, name, tokens, gen)
 
+    def fp8_prefill(tokens):
+        return lambda torch, ops, timer, bw, gen: bench_prefill_fp8(torch, ops, timer, "llama3-8b", tokens, gen)
+
     out = [(dict(kind="decode_fp8", shape="llama3-8b", batch=b, context=c), fp8_decode(b, c)) for b, c in fp8_cases]
+    out += [(dict(kind="prefill_fp8", shape="llama3-8b", tokens=t), fp8_prefill(t)) for t in prefills]
     for name in shapes:
         for batch in batches:
             for ctx in contexts:
@@ -384,6 +415,11 @@ def print_table(result):
             size = f"b{r['batch']}x{r['context']}"
             print(f"{'dec fp8':8} {r['shape']:10} {size:>12} {fmt_t(r['paged_s'])} {r['paged_gbps']:10.1f} "
                   f"{100 * r['frac_of_copy_bw']:5.0f}%  fp16 cache {fmt_t(r['fp16_paged_s'])}  "
+                  f"fp8/fp16 {r['fp8_over_fp16']:5.2f}  maxerr vs fp16 {r['max_abs_err_vs_fp16']:8.1e}")
+        elif r["kind"] == "prefill_fp8":
+            size = f"{r['tokens']} tok"
+            print(f"{'pre fp8':8} {r['shape']:10} {size:>12} {fmt_t(r['paged_s'])} {r['paged_tflops']:10.1f} "
+                  f"{'':6} fp16 cache {fmt_t(r['fp16_paged_s'])}  "
                   f"fp8/fp16 {r['fp8_over_fp16']:5.2f}  maxerr vs fp16 {r['max_abs_err_vs_fp16']:8.1e}")
         elif r["kind"] in ("decode", "prefill"):
             size = f"b{r['batch']}x{r['context']}" if r["kind"] == "decode" else f"{r['tokens']} tok"

@@ -83,6 +83,30 @@ __device__ __forceinline__ void unpack_word<Fp8E4M3>(uint32_t w, float* f) {
   f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
 }
 
+// Two e4m3 codes (low 16 bits, first code lowest) as one 32-bit word of two exact T values
+// (fp16 or bf16: both hold every e4m3 value exactly), the operand format of mma.sync.
+template <typename T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair);
+template <>
+__device__ __forceinline__ uint32_t fp8x2_to<__half>(uint32_t pair) {
+  const __half2 h = fp8x2_to_half2(pair);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t fp8x2_to<__nv_bfloat16>(uint32_t pair) {
+  const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(fp8x2_to_half2(pair)));
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Sixteen e4m3 codes (one 16-byte chunk) as sixteen exact T values in two 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ void fp8x16_to(const uint4& codes, uint4* out) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&codes);
+  uint32_t* r = reinterpret_cast<uint32_t*>(out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[2 * i] = fp8x2_to<T>(w[i]), r[2 * i + 1] = fp8x2_to<T>(w[i] >> 16);
+}
+
 // A loaded vector V (uint4: 16 bytes, uint2: 8 bytes) of T elements as sizeof(V) / sizeof(T) floats.
 template <typename T, typename V>
 __device__ __forceinline__ void unpack(const V& v, float* f) {

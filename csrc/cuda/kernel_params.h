@@ -58,11 +58,12 @@ struct DecodeWork {
   float* tmp_sum;  // [num_rows, num_heads, max_partitions]
 };
 
-// Decode, and the prefill the tensor-core kernel does not serve (fp32 and fp8 caches: prefill
-// rows through the same SIMT kernel, single pass).
+// Decode, and the prefill the tensor-core kernel does not serve (fp32 queries, over fp32 or fp8
+// caches: prefill rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);
 
-// Tensor-core prefill for fp16/bf16 caches. workspace: num_seqs + 1 ints of device scratch.
+// Tensor-core prefill for fp16/bf16 queries over their own dtype's cache or an fp8 one.
+// workspace: num_seqs + 1 ints of device scratch.
 // query must be 16-byte aligned with row/head strides that are multiples of 8 elements.
 cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream);
 // Whether launch_paged_prefill serves these dtypes (the rest take launch_paged_decode).

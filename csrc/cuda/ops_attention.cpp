@@ -137,9 +137,9 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
     at::Tensor offsets = at::empty({seq_lens.size(0) + 1}, seq_lens.options());
     C10_CUDA_CHECK(launch_paged_prefill(p, offsets.data_ptr<int32_t>(), current_stream()));
   } else {
-    // fp32 and fp8 caches: every query token is a row of the SIMT decode kernel, single pass,
-    // causal limit from its position (see attention_prefill.cu for why fp8 is not on tensor
-    // cores). That kernel reads q element by element, so any view works.
+    // fp32 queries: every query token is a row of the SIMT decode kernel, single pass, causal
+    // limit from its position (see attention_prefill.cu for why not on tensor cores). That
+    // kernel reads q element by element, so any view works.
     C10_CUDA_CHECK(launch_paged_decode(p, DecodeWork{}, current_stream()));
   }
 }

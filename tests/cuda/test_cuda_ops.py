@@ -336,10 +336,19 @@ def test_fp8_prefill_head_sizes(dtype, head_size):
     run_prefill(dtype, head_size, (8, 2), 8, [70, 1, 130], [0, 40, 200], cache_dtype=FP8, scales=FP8_SCALES)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp8_prefill_long(dtype):
+    # Many K/V tiles through the tensor-core kernel's fp8 staging buffers, a cached prefix too.
+    run_prefill(dtype, 128, (32, 8), 16, [1024, 300], [0, 1500], cache_dtype=FP8, scales=(0.1, 2.0))
+
+
 @pytest.mark.parametrize("partition_size", [None, 64])
-def test_fp8_attention_reads_every_code_exactly(partition_size):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_attention_reads_every_code_exactly(dtype, partition_size):
     """One token per sequence: softmax weight 1, so the output is the dequantised V row itself,
-    bit for bit (every non-NaN code, subnormals and -0.0 included)."""
+    bit for bit (every non-NaN code, subnormals and -0.0 included), in every query dtype: a code
+    times 0.75 has at most 6 significant bits, exact in fp16 and bf16 too. 16-bit queries
+    prefill on tensor cores, whose tiles hold the codes converted to the query's dtype."""
     codes = torch.tensor([c for c in range(256) if c not in FP8_NAN_CODES], dtype=torch.uint8)
     head_size, v_scale = 64, 0.75
     num_seqs = -(-codes.numel() // head_size)
@@ -347,14 +356,14 @@ def test_fp8_attention_reads_every_code_exactly(partition_size):
     key_cache, value_cache = B.ops.allocate_kv_cache(num_seqs, 1, 1, head_size, dtype=FP8, device=B.device)
     key_cache.view(torch.uint8).zero_()
     value_cache.view(torch.uint8).copy_(codes.view(num_seqs, 1, 1, head_size))
-    query = torch.randn(num_seqs, 1, head_size, device=B.device)
+    query = torch.randn(num_seqs, 1, head_size, device=B.device).to(dtype)
     # 64 spare table columns: partition_size=64 then splits (the one token's partition and an
     # empty one) and the reduce runs.
     tables = torch.zeros(num_seqs, 65, dtype=torch.int32, device=B.device)
     tables[:, 0] = torch.arange(num_seqs, dtype=torch.int32, device=B.device)
     out = B.ops.paged_attention(query, key_cache, value_cache, tables, ints([1] * num_seqs), v_scale=v_scale,
                                 partition_size=partition_size)
-    expected = value_cache.view(num_seqs, head_size).float() * v_scale
+    expected = (value_cache.view(num_seqs, head_size).float() * v_scale).to(dtype)
     assert torch.equal(out.view(num_seqs, head_size), expected)
     starts = ints(list(range(num_seqs + 1)))
     out = B.ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, ints([1] * num_seqs),

@@ -1,0 +1,13 @@
+// Prefill kernels for bfloat16 caches with bfloat16 queries (see attention_prefill_kernels.cuh).
+#include "attention_prefill_kernels.cuh"
+
+namespace kvpage {
+namespace cuda {
+
+template <>
+cudaError_t launch_prefill<__nv_bfloat16, __nv_bfloat16>(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
+  return launch_prefill_for_head<__nv_bfloat16, __nv_bfloat16>(p, offsets, stream);
+}
+
+}  // namespace cuda
+}  // namespace kvpage

@@ -1,0 +1,330 @@
+// Paged varlen causal prefill kernels, FlashAttention-2 style on tensor cores: fp16 / bf16
+// queries over a cache of their own dtype or an fp8 (e4m3) one, sm_80+ (fp32 queries prefill
+// through attention_decode).
+//
+// One CTA takes a tile of 64 query tokens of one sequence and one query head; its 4 warps own
+// 16 query rows each. K/V tiles of kBlockN cache positions are gathered through the block table
+// into shared memory with cp.async, double-buffered so the next tile's gather overlaps this
+// tile's math. S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulators; the
+// softmax is online (running max and sum per row, in registers). Query position i of a sequence
+// with q_len queries and seq_len cached tokens is seq_len - q_len + i and sees positions <= it,
+// which covers plain prefill, chunked prefill and prefix-cache hits alike.
+//
+// fp8 caches: cp.async lands the raw codes in a double-buffered staging area; once a tile has
+// landed, the CTA converts it into the same 16-bit mma tile the other caches gather into (every
+// e4m3 value is exact in fp16 and bf16, so the mma sees the codes' values unrounded). k_scale
+// folds into the logits' scale and v_scale into the final normalisation, as in decode.
+//
+// The (sequence, tile) of a CTA comes from a prefix sum of each sequence's tile count, computed
+// on the device by a one-warp kernel, so launching needs no host copy of query_start_loc.
+//
+// Included only by the attention_prefill_<cache>_<query>.cu files, each of which instantiates
+// launch_prefill for one (query dtype, cache dtype) pair, so the pairs compile in parallel.
+#pragma once
+
+#include "attention_prefill.h"
+
+namespace kvpage {
+namespace cuda {
+namespace {
+
+constexpr int kPrefillThreads = 128;
+constexpr int kBlockM = 64;  // query rows per CTA: 4 warps x 16
+constexpr float kLog2e = 1.4426950408889634f;
+
+// T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3.
+template <typename T, typename Cache, int HEAD>
+struct PrefillConfig {
+  static constexpr bool kFp8 = std::is_same<Cache, Fp8E4M3>::value;
+  static constexpr int kBlockN = HEAD <= 128 ? 64 : 32;  // keeps O (HEAD/2 floats/lane) + S in registers
+  static constexpr int kStride = HEAD + 8;  // padded smem row: conflict-free fragment loads
+  static constexpr int kChunksPerRow = HEAD / 8;  // 16-byte chunks of a Q row
+  static constexpr int kKeySteps = HEAD / 16;      // k-steps of S = Q K^T
+  static constexpr int kSTiles = kBlockN / 8;      // n-tiles of S
+  static constexpr int kOTiles = HEAD / 8;         // n-tiles of O
+  // Where cp.async lands K/V: the mma tiles themselves (16-bit caches, two buffers), or (fp8)
+  // two buffers of raw codes in unpadded rows, converted into one mma tile.
+  static constexpr int kCacheVec = 16 / sizeof(Cache);  // cache elements per 16-byte chunk
+  static constexpr int kCacheChunksPerRow = HEAD / kCacheVec;
+  static constexpr int kStageStride = kFp8 ? HEAD : kStride;  // in Cache elements
+  static constexpr int kTileBuffers = kFp8 ? 1 : 2;
+  static constexpr size_t kTileBytes = size_t(2 * kBlockN) * kStride * sizeof(T);  // K + V
+  static constexpr size_t kStageBytes = kFp8 ? size_t(2 * 2 * kBlockN) * HEAD : 0;
+  static constexpr size_t kSmemBytes =
+      size_t(kBlockM) * kStride * sizeof(T) + kTileBuffers * kTileBytes + kStageBytes;
+};
+
+// Tile offsets: offsets[s] = sum over sequences before s of ceil(q_len / kBlockM).
+__global__ void prefill_tile_offsets_kernel(const int32_t* query_start_loc, int num_seqs,
+                                            int num_tokens, int32_t* offsets) {
+  const int lane = threadIdx.x;
+  int carry = 0;
+  for (int base = 0; base < num_seqs; base += kWarpSize) {
+    const int s = base + lane;
+    int tiles = 0;
+    if (s < num_seqs) {
+      const int start = min(max(query_start_loc[s], 0), num_tokens);
+      const int end = min(max(query_start_loc[s + 1], start), num_tokens);
+      tiles = (end - start + kBlockM - 1) / kBlockM;
+    }
+    int incl = tiles;  // inclusive warp scan
+#pragma unroll
+    for (int off = 1; off < kWarpSize; off *= 2) {
+      const int x = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += x;
+    }
+    if (s < num_seqs) offsets[s] = carry + incl - tiles;
+    carry += __shfl_sync(0xffffffffu, incl, kWarpSize - 1);
+  }
+  if (lane == 0) offsets[num_seqs] = carry;
+}
+
+template <typename T, typename Cache, int HEAD>
+__global__ void __launch_bounds__(kPrefillThreads)
+    paged_prefill_kernel(const AttentionParams p, const int32_t* __restrict__ tile_offsets) {
+  using C = PrefillConfig<T, Cache, HEAD>;
+  constexpr int kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
+  constexpr int kCacheVec = C::kCacheVec, kCacheCpr = C::kCacheChunksPerRow, kStageStride = C::kStageStride;
+
+  // Which (sequence, query tile): last s with tile_offsets[s] <= blockIdx.x.
+  const int tile = blockIdx.x;
+  if (tile >= tile_offsets[p.num_seqs]) return;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int seq = lo;
+  // Same clamps as the offsets kernel: untrusted indices never leave their tensors.
+  const int q_start = min(max(p.query_start_loc[seq], 0), p.num_rows);
+  const int q_end = min(max(p.query_start_loc[seq + 1], q_start), p.num_rows);
+  const int q_len = q_end - q_start;
+  const int64_t capacity = int64_t(p.max_blocks_per_seq) * p.block_size;
+  const int kv_len = static_cast<int>(min(max(int64_t(p.seq_lens[seq]), int64_t(0)), capacity));
+  const int m0 = (tile - tile_offsets[seq]) * kBlockM;
+  const int first_pos = kv_len - q_len;  // cache position of query 0
+  // Last key any row of this tile sees is first_pos + min(m0 + kBlockM, q_len) - 1.
+  const int kv_end = max(0, min(kv_len, first_pos + min(m0 + kBlockM, q_len)));
+
+  const int head = blockIdx.y;
+  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* kv_s = q_s + kBlockM * kStride;  // [kTileBuffers][K, V][kBlockN][kStride]
+  // cp.async's K/V destination, [2 buffers][K, V][kBlockN][kStageStride]: kv_s itself, or the
+  // fp8 staging area after it.
+  Cache* stage = reinterpret_cast<Cache*>(kv_s + (C::kFp8 ? C::kTileBuffers * 2 * kBlockN * kStride : 0));
+
+  const int tid = threadIdx.x;
+  const int chunks = p.head_size / 8;  // runtime head size may be below HEAD: zero-filled
+
+  // Q tile: rows past q_len and dims past head_size are zeros.
+  {
+    const T* qbase = static_cast<const T*>(p.query) + int64_t(head) * p.q_head_stride;
+    for (int idx = tid; idx < kBlockM * kCpr; idx += kPrefillThreads) {
+      const int r = idx / kCpr, c = idx % kCpr;
+      const bool valid = m0 + r < q_len && c < chunks;
+      const T* src = valid ? qbase + int64_t(q_start + m0 + r) * p.q_row_stride + c * 8 : qbase;
+      cp_async16(q_s + r * kStride + c * 8, src, valid);
+    }
+  }
+
+  const int32_t* table = p.block_tables + int64_t(seq) * p.max_blocks_per_seq;
+  const int log2_bs = __ffs(p.block_size) - 1;
+  const Cache* kcache = static_cast<const Cache*>(p.key_cache);
+  const Cache* vcache = static_cast<const Cache*>(p.value_cache);
+  const int cache_chunks = p.head_size / kCacheVec;
+
+  // Gathers cache positions [j * kBlockN, +kBlockN) of this KV head into buffer `buf`.
+  auto load_kv = [&](int j, int buf) {
+    Cache* k_dst = stage + buf * 2 * kBlockN * kStageStride;
+    Cache* v_dst = k_dst + kBlockN * kStageStride;
+    for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kPrefillThreads) {
+      const int r = idx / kCacheCpr, c = idx % kCacheCpr;
+      const int pos = j * kBlockN + r;
+      const int block = pos < kv_end ? __ldg(table + (pos >> log2_bs)) : -1;
+      const bool valid = block >= 0 && block < p.num_blocks && c < cache_chunks;
+      const int64_t off =
+          valid ? ((int64_t(block) * p.num_kv_heads + kv_head) * p.block_size + (pos & (p.block_size - 1))) *
+                          p.head_size + c * kCacheVec
+                : 0;
+      cp_async16(k_dst + r * kStageStride + c * kCacheVec, kcache + off, valid);
+      cp_async16(v_dst + r * kStageStride + c * kCacheVec, vcache + off, valid);
+    }
+  };
+
+  // fp8: the codes of staging buffer `buf` as exact T values in the mma tile, K and V rows alike
+  // (masked chunks were zero-filled by cp.async and stay zeros).
+  auto convert_kv = [&](int buf) {
+    const Cache* src = stage + buf * 2 * kBlockN * kStageStride;
+    for (int idx = tid; idx < 2 * kBlockN * kCacheCpr; idx += kPrefillThreads) {
+      const int r = idx / kCacheCpr, c = idx % kCacheCpr;
+      uint4 values[2];
+      fp8x16_to<T>(*reinterpret_cast<const uint4*>(src + r * kStageStride + c * kCacheVec), values);
+      uint4* dst = reinterpret_cast<uint4*>(kv_s + r * kStride + c * kCacheVec);
+      dst[0] = values[0], dst[1] = values[1];
+    }
+  };
+
+  const int num_kv_tiles = (kv_end + kBlockN - 1) / kBlockN;
+  if (num_kv_tiles > 0) load_kv(0, 0);
+  cp_async_commit();  // group 0: Q (+ first K/V tile)
+
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
+  const int wrow = warp * 16;
+  const float qk_scale = p.scale * kLog2e * p.k_scale;  // k_scale: 1 but for fp8
+  // Cache positions visible to this lane's two rows (g and g + 8).
+  const int row_pos[2] = {first_pos + m0 + wrow + g, first_pos + m0 + wrow + g + 8};
+
+  float o[C::kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < C::kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  for (int j = 0; j < num_kv_tiles; ++j) {
+    if (j + 1 < num_kv_tiles) {
+      load_kv(j + 1, (j + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();  // everything but the tile just issued has landed
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const T* k_s = kv_s + (C::kFp8 ? 0 : (j & 1) * 2 * kBlockN * kStride);
+    if constexpr (C::kFp8) {
+      convert_kv(j & 1);
+      __syncthreads();
+    }
+    const T* v_s = k_s + kBlockN * kStride;
+
+    // S = Q K^T for this warp's 16 rows x kBlockN keys.
+    float s[C::kSTiles][4];
+#pragma unroll
+    for (int n = 0; n < C::kSTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < C::kKeySteps; ++kk) {
+      const T* qa = q_s + (wrow + g) * kStride + kk * 16 + 2 * t;
+      uint32_t a[4];
+      a[0] = *reinterpret_cast<const uint32_t*>(qa);
+      a[1] = *reinterpret_cast<const uint32_t*>(qa + 8 * kStride);
+      a[2] = *reinterpret_cast<const uint32_t*>(qa + 8);
+      a[3] = *reinterpret_cast<const uint32_t*>(qa + 8 * kStride + 8);
+#pragma unroll
+      for (int n = 0; n < C::kSTiles; ++n) {
+        const T* kb = k_s + (n * 8 + g) * kStride + kk * 16 + 2 * t;
+        mma_16816<T>(s[n], a, *reinterpret_cast<const uint32_t*>(kb),
+                     *reinterpret_cast<const uint32_t*>(kb + 8));
+      }
+    }
+
+    // Causal mask + online softmax. Lane holds rows g (e = 0, 1) and g + 8 (e = 2, 3).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < C::kSTiles; ++n) {
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
+          const bool visible = key <= row_pos[h] && key < kv_end;
+          s[n][e] = visible ? s[n][e] * qk_scale : -INFINITY;
+          mx = fmaxf(mx, s[n][e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[h], mx);
+      // A row with nothing visible yet keeps a zero base so exp2f(-inf - base) is a clean 0.
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(row_max[h] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < C::kSTiles; ++n) {
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[n][e] = exp2f(s[n][e] - base);
+          sum += s[n][e];
+        }
+      }
+      row_sum[h] = row_sum[h] * alpha + sum;  // lane-partial; the 4 lanes of a row add up at the end
+      row_max[h] = m_new;
+#pragma unroll
+      for (int i = 0; i < C::kOTiles; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
+    }
+
+    // O += P V. Two S n-tiles form one A fragment (FA2's register reuse); V fragments come
+    // from row-major smem through ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const T* vrow = v_s + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
+#pragma unroll
+      for (int d = 0; d < C::kOTiles / 2; ++d) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vrow + d * 16);
+        mma_16816<T>(o[2 * d], a, b[0], b[1]);
+        mma_16816<T>(o[2 * d + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's gather (or conversion) overwrites the tile just read
+  }
+  cp_async_wait<0>();  // no tile to attend (q rows see nothing): still drain the Q copy
+
+  // Normalise and store the rows this tile owns.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
+    const int r = m0 + wrow + g + 8 * h;
+    if (r >= q_len) continue;
+    T* out = static_cast<T*>(p.out) + int64_t(q_start + r) * p.out_row_stride + int64_t(head) * p.out_head_stride;
+#pragma unroll
+    for (int i = 0; i < C::kOTiles; ++i) {
+      const int d = i * 8 + 2 * t;
+      if (d < p.head_size) {
+        out[d] = from_float<T>(o[i][2 * h] * inv);
+        out[d + 1] = from_float<T>(o[i][2 * h + 1] * inv);
+      }
+    }
+  }
+}
+
+template <typename T, typename Cache, int HEAD>
+cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
+  using C = PrefillConfig<T, Cache, HEAD>;
+  prefill_tile_offsets_kernel<<<1, kWarpSize, 0, stream>>>(p.query_start_loc, p.num_seqs, p.num_rows,
+                                                           offsets);
+  // Opting in above 48 KiB of dynamic shared memory is per kernel and cheap; redo it each launch
+  // rather than track devices.
+  cudaError_t err = cudaFuncSetAttribute(paged_prefill_kernel<T, Cache, HEAD>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::kSmemBytes));
+  if (err != cudaSuccess) return err;
+  // sum of ceil(q_len / kBlockM) <= num_tokens / kBlockM + num_seqs; surplus CTAs exit at once.
+  const dim3 grid(ceil_div(p.num_rows, kBlockM) + p.num_seqs, p.num_heads);
+  paged_prefill_kernel<T, Cache, HEAD><<<grid, kPrefillThreads, C::kSmemBytes, stream>>>(p, offsets);
+  return cudaGetLastError();
+}
+
+// Every head size of one (query, cache) dtype pair: what one attention_prefill_*.cu file instantiates.
+template <typename T, typename Cache>
+cudaError_t launch_prefill_for_head(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_head_size(p.head_size, [&](auto head) {
+    err = launch_typed<T, Cache, decltype(head)::value>(p, offsets, stream);
+  });
+  return err;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace kvpage
