@@ -11,7 +11,8 @@ permutation of the cache (scattered pages). Baseline: torch SDPA with the FLASH 
 same K/V laid out contiguously. fp8 (e4m3) cache decode rows (Llama-3-8B shape, fp16 queries)
 count bandwidth in fp8 bytes and compare with the fp16 cache at the same shape; fp8 prefill rows
 (the same shape, 1k / 4k tokens) compare the two caches' prefill times. L2 is flushed (a
-512 MiB memset) before every timed call; times are the median of CUDA-event timings.
+512 MiB memset) before every timed call; times are the median of CUDA-event timings. Decode
+rows up to batch 64 also time fixed 512-token partitions against the automatic split.
 
 Writes JSON to $OUT/kernels_cuda.json if $OUT is set, else bench/results/kernels_cuda.json, after
 every row (a run cut short by a timeout still leaves what it measured), and prints a table with
@@ -38,6 +39,8 @@ BLOCK_SIZE = 16
 FP8_DECODE_CASES = ((64, 8192), (16, 2048), (1, 8192), (16, 8192), (64, 2048), (256, 2048), (256, 8192))
 FP8_DECODE_QUICK = ((64, 8192), (16, 2048))
 FP8_SCALE = 0.02
+# Decode rows up to this batch also time fixed 512-token partitions (the automatic split's A/B).
+FIXED_PARTITION_MAX_BATCH = 64
 
 
 def parse_args(argv=None):
@@ -144,6 +147,12 @@ def bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen):
     kv_bytes = 2 * batch * ctx * hkv * d * 2
     row = dict(kind="decode", shape=name, batch=batch, context=ctx, paged_s=t_paged,
                paged_gbps=kv_bytes / t_paged / 1e9, frac_of_copy_bw=kv_bytes / t_paged / copy_bw)
+    if batch <= FIXED_PARTITION_MAX_BATCH:
+        # The automatic split (partitions halved until the grid fills the SMs) against vLLM v2's
+        # fixed 512-token partitions, the planner's previous choice at these batch sizes.
+        row["fixed512_s"] = timer(lambda: ops.paged_attention(query, key_cache, value_cache, tables, seq_lens,
+                                                              out=out, partition_size=512))
+        row["auto_over_fixed512"] = t_paged / row["fixed512_s"]
     k, v = dense_kv(key_cache, tables), dense_kv(value_cache, tables)
     q4 = query.unsqueeze(2)
     try:
@@ -428,8 +437,9 @@ def print_table(result):
             flex = f"{r['flex_s'] / r['paged_s']:8.2f}" if "flex_s" in r else f"{'-':>8}"
             ratio = f"{r['paged_over_flash']:8.2f}" if "paged_over_flash" in r else f"{'n/a':>8}"
             err = f"{r['max_abs_err_vs_flash']:8.1e}" if "max_abs_err_vs_flash" in r else f"{'-':>8}"
+            vs512 = f"  auto/p512 {r['auto_over_fixed512']:5.2f}" if "auto_over_fixed512" in r else ""
             print(f"{r['kind']:8} {r['shape']:10} {size:>12} {fmt_t(r['paged_s'])} {rate:10.1f} {frac} "
-                  f"{fmt_t(r.get('flash_s'))} {ratio} {flex} {err}")
+                  f"{fmt_t(r.get('flash_s'))} {ratio} {flex} {err}{vs512}")
             for key in ("flash_error", "flex_error"):
                 if key in r:
                     print(f"{'':8} {key}: {r[key]}")

@@ -5,6 +5,13 @@
 namespace kvpage {
 namespace cuda {
 
+int decode_ctas_per_row(int num_heads, int num_kv_heads) {
+  const int group = num_heads / num_kv_heads;
+  int tiles = 0;
+  dispatch_group_tile(group, [&](auto gt) { tiles = (group + decltype(gt)::value - 1) / decltype(gt)::value; });
+  return num_kv_heads * tiles;
+}
+
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
   if (p.num_rows == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;

@@ -86,9 +86,11 @@ __global__ void __launch_bounds__(kPrefillThreads)
   constexpr int kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
   constexpr int kCacheVec = C::kCacheVec, kCacheCpr = C::kCacheChunksPerRow, kStageStride = C::kStageStride;
 
-  // Which (sequence, query tile): last s with tile_offsets[s] <= blockIdx.x.
-  const int tile = blockIdx.x;
-  if (tile >= tile_offsets[p.num_seqs]) return;
+  // Which (sequence, query tile): last s with tile_offsets[s] <= tile. Tiles run in reverse:
+  // a sequence's later tiles see more keys, so the heaviest CTAs start first and the grid's
+  // tail is made of light ones.
+  const int tile = tile_offsets[p.num_seqs] - 1 - static_cast<int>(blockIdx.x);
+  if (tile < 0) return;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -220,20 +222,29 @@ __global__ void __launch_bounds__(kPrefillThreads)
       }
     }
 
-    // Causal mask + online softmax. Lane holds rows g (e = 0, 1) and g + 8 (e = 2, 3).
+    // Causal mask + online softmax. Lane holds rows g (e = 0, 1) and g + 8 (e = 2, 3). Only a
+    // tile reaching past the warp's first row position, or past kv_end, needs the mask: for a
+    // long prompt, the diagonal and the last tiles (the test is warp-uniform).
+#pragma unroll
+    for (int n = 0; n < C::kSTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= qk_scale;
+    }
+    if ((j + 1) * kBlockN - 1 > first_pos + m0 + wrow || (j + 1) * kBlockN > kv_end) {
+#pragma unroll
+      for (int n = 0; n < C::kSTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
+          if (key > row_pos[e / 2] || key >= kv_end) s[n][e] = -INFINITY;
+        }
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < C::kSTiles; ++n) {
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
-          const bool visible = key <= row_pos[h] && key < kv_end;
-          s[n][e] = visible ? s[n][e] * qk_scale : -INFINITY;
-          mx = fmaxf(mx, s[n][e]);
-        }
-      }
+      for (int n = 0; n < C::kSTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(row_max[h], mx);

@@ -58,6 +58,10 @@ struct DecodeWork {
   float* tmp_sum;  // [num_rows, num_heads, max_partitions]
 };
 
+// CTAs the decode kernel runs per query row and partition: one per KV head and tile of up to
+// 1, 4 or 8 query heads of its GQA group (see dispatch_group_tile).
+int decode_ctas_per_row(int num_heads, int num_kv_heads);
+
 // Decode, and the prefill the tensor-core kernel does not serve (fp32 queries, over fp32 or fp8
 // caches: prefill rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);

@@ -19,10 +19,41 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr int64_t kPartitionTokens = 512;
+constexpr int64_t kPartitionTokens = 512;  // vLLM v2's partition: the split's starting size
 // Single pass once there are this many CTAs per SM anyway: partitions would add a reduce
 // launch without improving balance.
 constexpr int64_t kSinglePassCtasPerSm = 8;
+// A split grid smaller than this many CTAs per SM halves its partitions (FlashDecoding's
+// split-KV idea: a small batch must still keep every SM streaming), down to kMinPartitionTokens,
+// below which a CTA's fixed costs (loading q, merging its token groups, writing partials)
+// outweigh its share of the stream.
+constexpr int64_t kSplitCtasPerSm = 4;
+constexpr int64_t kMinPartitionTokens = 128;
+
+// The decode work split: partition_size 0 is the single pass.
+struct DecodeSplit {
+  int64_t partition_size = 0;
+  int64_t max_partitions = 1;
+};
+
+// From shapes alone (no sync): the table width bounds the longest sequence. forced: the
+// caller's partition_size (0: choose). Partitions past a sequence's end exit at once, and the
+// reduce reads only the ones that exist.
+DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t forced) {
+  DecodeSplit split;
+  int64_t part = forced > 0 ? forced : kPartitionTokens;
+  if (forced == 0) {
+    if (ctas_per_partition >= kSinglePassCtasPerSm * num_sms()) return split;
+    const int64_t floor = std::max(kMinPartitionTokens, block_size);
+    while (part / 2 >= floor && ctas_per_partition * ((capacity + part - 1) / part) < kSplitCtasPerSm * num_sms()) {
+      part /= 2;
+    }
+    part = std::max(part, block_size);  // a partition is whole blocks
+  }
+  const int64_t parts = (capacity + part - 1) / part;
+  if (parts > 1) split.partition_size = part, split.max_partitions = parts;
+  return split;
+}
 
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -82,21 +113,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
 
-  // The longest sequence is unknown without a sync; the table width bounds it. Partitions past
-  // a sequence's end exit at once, and the reduce only reads the ones that exist.
-  const int64_t capacity = block_tables.size(1) * cache.block_size;
-  const int64_t part = partition_size > 0 ? partition_size : kPartitionTokens;  // a multiple of block_size
-  const int64_t max_parts = (capacity + part - 1) / part;
-  bool split = max_parts > 1;
-  if (split && partition_size == 0) {
-    split = query.size(0) * cache.num_kv_heads < kSinglePassCtasPerSm * num_sms();
-  }
+  const DecodeSplit split =
+      plan_decode_split(query.size(0) * decode_ctas_per_row(p.num_heads, p.num_kv_heads),
+                        block_tables.size(1) * cache.block_size, cache.block_size, partition_size);
   DecodeWork w{};
   at::Tensor tmp;
-  if (split) {
-    w.partition_size = static_cast<int>(part);
-    w.max_partitions = as_int(max_parts, "partitions per sequence");
-    const int64_t slots = query.size(0) * query.size(1) * max_parts;
+  if (split.partition_size > 0) {
+    w.partition_size = static_cast<int>(split.partition_size);
+    w.max_partitions = as_int(split.max_partitions, "partitions per sequence");
+    const int64_t slots = query.size(0) * query.size(1) * split.max_partitions;
     tmp = at::empty({slots * (cache.head_size + 2)}, query.options().dtype(at::kFloat));
     w.tmp_out = tmp.data_ptr<float>();
     w.tmp_max = w.tmp_out + slots * cache.head_size;

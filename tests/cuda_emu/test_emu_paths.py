@@ -53,3 +53,35 @@ def test_decode_is_simt(cache_dtype):
     query, key_cache, value_cache, tables = attention_inputs(ops, torch.float16, cache_dtype, 1)
     lens = torch.tensor([100], dtype=torch.int32)
     assert mmas_of(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens)) == 0
+
+
+def decode_grid(rows, capacity):
+    """(launches, blocks) of one decode call: SmolLM2's 9 / 3 heads (one CTA per KV head), fp16."""
+    backend = get_backend("emu")
+    gen = torch.Generator().manual_seed(1)
+    key_cache, value_cache = backend.ops.allocate_kv_cache(8, 16, 3, 64, dtype=torch.float16, device="cpu")
+    query = torch.randn(rows, 9, 64, generator=gen).half()
+    tables = torch.randint(0, 8, (rows, capacity // 16), generator=gen, dtype=torch.int32)
+    lens = torch.full((rows,), 20, dtype=torch.int32)  # short rows: later partitions exit at once
+    before = backend.emu.stats()
+    backend.ops.paged_attention(query, key_cache, value_cache, tables, lens)
+    after = backend.emu.stats()
+    return after["launches"] - before["launches"], after["blocks"] - before["blocks"]
+
+
+@pytest.mark.parametrize("rows, capacity, partition", [
+    (1, 2048, 128),    # 3 CTAs a partition: partitions halve down to the 128-token floor
+    (16, 2048, 128),   # 48 CTAs per partition: 768 at 128 tokens is the first >= 4 per SM x 132
+    (32, 2048, 256),   # 96 per partition: 768 at 256 tokens
+    (64, 2048, 512),   # 64 x 3 x 4 >= 528 already at 512 tokens
+    (352, 2048, 0),    # 352 x 3 >= 8 per SM x 132: single pass
+    (1, 512, 128),
+    (1, 128, 0),       # one partition is the single pass
+])
+def test_decode_split_keeps_the_sms_busy(rows, capacity, partition):
+    # The emulator reports 132 SMs (an H100 / H200), as get_backend sets.
+    launches, blocks = decode_grid(rows, capacity)
+    if partition == 0:
+        assert (launches, blocks) == (1, rows * 3)
+    else:  # the split kernel's grid, then the reduce's (row, query head) grid
+        assert (launches, blocks) == (2, rows * 3 * (capacity // partition) + rows * 9)
