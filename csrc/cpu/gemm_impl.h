@@ -9,11 +9,20 @@
 //
 // Included inside the ISA namespace, after vec.h: AVX-512 builds get the register-blocked kernel
 // (up to 8 rows x 48 columns in 24 zmm accumulators: 8-15% faster than 32 columns from 32 rows up, in
-// an A/B over SmolLM2's shapes); the others get plain loops, correct but slower
-// (kvpage.model.cpu_layout uses this path only where the AVX-512 kernel runs).
+// an A/B over SmolLM2's shapes); AVX2 builds one of up to 4 rows x 24 columns (12 of the 16 ymm
+// registers, 3 for the weights, 1 for the broadcast input), run over the slab's two halves; the
+// generic build gets plain loops, correct but slower (kvpage.model.cpu_layout uses this path only
+// where a register-blocked kernel runs). Every kernel sums each output over k in order with one
+// fused multiply-add per term, then adds the bias: the same bits on AVX-512 and AVX2.
 #pragma once
 
+#if defined(__AVX512F__)
 constexpr int64_t kMaxRowsPerPass = 8;
+#elif defined(KVPAGE_VEC_AVX2)
+constexpr int64_t kMaxRowsPerPass = 4;
+#else
+constexpr int64_t kMaxRowsPerPass = 8;
+#endif
 
 // Issues `lines` prefetches of `base` spread evenly over `steps` calls of next(): a slab's worth of
 // prefetches rides along with the arithmetic instead of arriving in one burst.
@@ -57,6 +66,52 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
   }
 }
 
+#elif defined(KVPAGE_VEC_AVX2)
+
+// out + the bias of its columns into y's first `valid` columns (a slab's last vector may hold padding).
+inline void store_columns(float* y, __m256 out, const float* bias, int64_t valid) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(y, bias ? _mm256_add_ps(out, _mm256_loadu_ps(bias)) : out);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, out);
+  for (int64_t c = 0; c < valid; ++c) y[c] = tmp[c] + (bias ? bias[c] : 0.f);
+}
+
+template <int R>
+void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t ldy, int64_t ncols,
+               const float* bias, PrefetchStream pf) {
+  constexpr int kHalf = kSlabColumns / 2, V = kHalf / 8;  // 24 columns: 3 ymm vectors
+  for (int h = 0; h < 2; ++h) {
+    const float* wh = w + h * kHalf;
+    __m256 acc[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_dim; ++k) {
+      if (h == 0) pf.next();  // the pass's share of the next slab, during the first half
+      __m256 wv[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(wh + k * kSlabColumns + 8 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * k_dim + k);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const int64_t col = h * kHalf + 8 * v;
+      if (col >= ncols) continue;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) store_columns(y + r * ldy + col, acc[r][v], bias ? bias + col : nullptr, ncols - col);
+    }
+  }
+}
+
 #else  // portable loops, vectorised by the compiler to whatever the ISA offers
 
 template <int R>
@@ -81,12 +136,17 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
 using SlabPass = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*,
                           PrefetchStream);
 
-// Slabs [slab_begin, slab_end) of y = x @ W.T + bias. Rows go in even passes of <= 8 (64 rows are
-// 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of the next slab.
+// Slabs [slab_begin, slab_end) of y = x @ W.T + bias. Rows go in even passes of <= kMaxRowsPerPass
+// (64 rows are 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of the next slab.
 void linear_slabs(const LinearArgs& a, int64_t slab_begin, int64_t slab_end) {
+#if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
+  static constexpr SlabPass kPass[kMaxRowsPerPass + 1] = {nullptr, slab_pass<1>, slab_pass<2>, slab_pass<3>,
+                                                          slab_pass<4>};
+#else
   static constexpr SlabPass kPass[kMaxRowsPerPass + 1] = {
       nullptr, slab_pass<1>, slab_pass<2>, slab_pass<3>, slab_pass<4>,
       slab_pass<5>, slab_pass<6>, slab_pass<7>, slab_pass<8>};
+#endif
   const int64_t slab_floats = a.k * kSlabColumns;
   const int64_t passes = (a.m + kMaxRowsPerPass - 1) / kMaxRowsPerPass;
   const int64_t lines_per_pass = slab_floats * 4 / 64 / passes;

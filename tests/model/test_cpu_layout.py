@@ -11,7 +11,7 @@ from kvpage.ops import reference
 from tiny_models import random_prompts, tiny_model
 
 PACKINGS = [pytest.param("slabs", marks=pytest.mark.skipif(not cpu_layout.slab_kernel_available(),
-                                                             reason="no AVX-512: the slab kernel is not used")),
+                                                             reason="no AVX2 / AVX-512: the slab kernel is not used")),
             pytest.param("mkl", marks=pytest.mark.skipif(not cpu_layout.mkl_packing_available(),
                                                           reason="torch built without MKL"))]
 

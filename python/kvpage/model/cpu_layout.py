@@ -72,7 +72,8 @@ def mkl_packing_available() -> bool:
 
 
 def slab_kernel_available() -> bool:
-    return ops.cpu_isa() == "avx512"
+    """The slab layout pays where a register-blocked kernel runs it (gemm_impl.h): AVX-512 and AVX2."""
+    return ops.cpu_isa() in ("avx512", "avx2")
 
 
 def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:

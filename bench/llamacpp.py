@@ -1,0 +1,109 @@
+"""kvpage vs llama.cpp on llama.cpp's own batched benchmark (llama-batched-bench).
+
+The job: npl sequences share one pp-token prompt, then each generates tg tokens, all sequences decoding
+together. llama.cpp runs its tool with -pps (the shared prompt computed once), -kvu (one unified KV
+buffer), flash attention on, F32 weights (the default model's Q4_1 GGUF requantized to F32 by
+llama-quantize: the weights kvpage dequantizes and loads), the same thread count. It feeds random tokens
+and samples nothing. kvpage runs the same job as an ordinary engine call: LLM.generate on npl copies of a
+random pp-token prompt, tg greedy tokens each (ignore_eos), prefix caching on (the copies share the
+prompt's blocks), so its time also covers scheduling, sampling and detokenising.
+
+Reported per npl: output tokens/s over the whole job, npl * tg / (prompt + generation seconds), for both
+(llama.cpp's `pl * tg / t`); llama.cpp's generation-only S_TG beside it; kvpage/llama.cpp as the median
+of the per-round ratios. The two alternate, ROUNDS rounds each (this machine's speed drifts by +-15%
+over minutes); every round and npl has its own prompt, so nothing carries over in kvpage's prefix cache.
+
+    bash bench/peers/setup_llamacpp.sh   # once: builds llama.cpp (~20 min on 2 cores), F32 model
+    python bench/llamacpp.py             # npl 32, 48, 64; pp 128; tg 128; 3 rounds
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info, print_table, write_json  # noqa: E402
+from peers.llamacpp_launcher import f32_model, run_batched_bench  # noqa: E402
+
+import kvpage  # noqa: E402
+from kvpage.engine.workload import Workload, run_kvpage  # noqa: E402
+
+ROUNDS = 3
+
+
+def random_prompt(tokenizer, length: int, seed: int) -> list[int]:
+    """length ordinary token ids (no special tokens), as llama-batched-bench's random prompt."""
+    special = set(tokenizer.all_special_ids)
+    rng = random.Random(seed)
+    ids = []
+    while len(ids) < length:
+        t = rng.randrange(len(tokenizer))
+        if t not in special:
+            ids.append(t)
+    return ids
+
+
+def run_ours(llm, pp: int, tg: int, npl: int, seed: int) -> dict:
+    prompt = random_prompt(llm.tokenizer, pp, seed)
+    res = run_kvpage(llm, Workload([list(prompt) for _ in range(npl)], [tg] * npl))
+    res.pop("outputs")
+    return res
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--npl", default="32,48,64", help="comma list: sequences decoding together")
+    parser.add_argument("--pp", type=int, default=128, help="shared prompt tokens")
+    parser.add_argument("--tg", type=int, default=128, help="generated tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    npls = [int(x) for x in args.npl.split(",") if x]
+    torch.set_num_threads(args.threads)
+
+    llm = kvpage.LLM()
+    run_ours(llm, args.pp, args.tg, max(npls), seed=10_000)  # warm-up: same shapes, other tokens
+    ours = {n: [] for n in npls}
+    theirs = {n: [] for n in npls}
+    for r in range(args.rounds):
+        for n in npls:
+            ours[n].append(run_ours(llm, args.pp, args.tg, n, seed=100 * r + n))
+            print(f"round {r} kvpage npl={n}: {ours[n][-1]['output_tok_s']:.1f} output tok/s", flush=True)
+        for row in run_batched_bench(args.pp, args.tg, npls, args.threads):
+            theirs[row["pl"]].append(row)
+            print(f"round {r} llama.cpp npl={row['pl']}: {row['pl'] * row['tg'] / row['t']:.1f} output tok/s"
+                  f" (S_TG {row['speed_tg']:.1f})", flush=True)
+    return report(args, npls, ours, theirs)
+
+
+def report(args, npls, ours, theirs) -> dict:
+    rows, results = [], []
+    for n in npls:
+        kv = [o["output_tok_s"] for o in ours[n]]
+        ll = [t["pl"] * t["tg"] / t["t"] for t in theirs[n]]
+        ratios = sorted(a / b for a, b in zip(kv, ll))
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        results.append({"npl": n, "kvpage_output_tok_s": kv, "llamacpp_output_tok_s": ll,
+                        "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
+                        "kvpage_ttft_p50_s": [o["ttft_p50_s"] for o in ours[n]],
+                        "kvpage_prefix_cache_hit_rate": [o["prefix_cache_hit_rate"] for o in ours[n]],
+                        "speedup_rounds": [a / b for a, b in zip(kv, ll)], "speedup": med(ratios),
+                        "llamacpp_rows": theirs[n]})
+        rows.append({"npl": n, "kvpage tok/s": f"{med(kv):.1f}", "llama.cpp tok/s": f"{med(ll):.1f}",
+                     "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
+                     "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
+                     + ", ".join(f"{a / b:.2f}" for a, b in zip(kv, ll)) + ")"})
+    print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, fp32, model {f32_model().name} for llama.cpp")
+    print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp S_TG", "kvpage/llama.cpp"])
+    payload = {"pp": args.pp, "tg": args.tg, "threads": args.threads, "rounds": args.rounds,
+               "machine": machine_info(), "results": results}
+    write_json("llamacpp", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
