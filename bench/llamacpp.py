@@ -1,10 +1,11 @@
 """kvpage vs llama.cpp on llama.cpp's own batched benchmark (llama-batched-bench).
 
 The job: npl sequences share one pp-token prompt, then each generates tg tokens, all sequences decoding
-together. llama.cpp runs its tool with -pps (the shared prompt computed once), -kvu (one unified KV
-buffer), flash attention on, F32 weights (the default model's Q4_1 GGUF requantized to F32 by
-llama-quantize: the weights kvpage dequantizes and loads), the same thread count. It feeds random tokens
-and samples nothing. kvpage runs the same job as an ordinary engine call: LLM.generate on npl copies of a
+together. llama.cpp runs its tool with -pps (the shared prompt computed once), flash attention on, F32
+weights (the default model's Q4_1 GGUF requantized to F32 by llama-quantize: the weights kvpage
+dequantizes and loads), the same thread count, in both of its KV layouts: the prompt copied into every
+sequence's cells, and one unified buffer (-kvu) that every sequence attends over with a mask; each
+round takes llama.cpp's faster layout per npl. It feeds random tokens and samples nothing. kvpage runs the same job as an ordinary engine call: LLM.generate on npl copies of a
 random pp-token prompt, tg greedy tokens each (ignore_eos), prefix caching on (the copies share the
 prompt's blocks), so its time also covers scheduling, sampling and detokenising.
 
@@ -47,6 +48,11 @@ def random_prompt(tokenizer, length: int, seed: int) -> list[int]:
     return ids
 
 
+def output_tok_s(row: dict) -> float:
+    """llama-batched-bench's row as output tokens over the whole job (prompt + generation)."""
+    return row["pl"] * row["tg"] / row["t"]
+
+
 def run_ours(llm, pp: int, tg: int, npl: int, seed: int) -> dict:
     prompt = random_prompt(llm.tokenizer, pp, seed)
     res = run_kvpage(llm, Workload([list(prompt) for _ in range(npl)], [tg] * npl))
@@ -73,10 +79,14 @@ def main(argv=None) -> dict:
         for n in npls:
             ours[n].append(run_ours(llm, args.pp, args.tg, n, seed=100 * r + n))
             print(f"round {r} kvpage npl={n}: {ours[n][-1]['output_tok_s']:.1f} output tok/s", flush=True)
-        for row in run_batched_bench(args.pp, args.tg, npls, args.threads):
-            theirs[row["pl"]].append(row)
-            print(f"round {r} llama.cpp npl={row['pl']}: {row['pl'] * row['tg'] / row['t']:.1f} output tok/s"
-                  f" (S_TG {row['speed_tg']:.1f})", flush=True)
+        layouts = {unified: run_batched_bench(args.pp, args.tg, npls, args.threads, unified)
+                   for unified in (False, True)}
+        for split_row, unified_row in zip(layouts[False], layouts[True]):
+            for row, name in ((split_row, "per-sequence KV"), (unified_row, "unified KV")):
+                row["layout"] = name
+                print(f"round {r} llama.cpp npl={row['pl']} {name}: {output_tok_s(row):.1f} output tok/s"
+                      f" (S_TG {row['speed_tg']:.1f})", flush=True)
+            theirs[split_row["pl"]].append(max(split_row, unified_row, key=output_tok_s))
     return report(args, npls, ours, theirs)
 
 
@@ -84,21 +94,24 @@ def report(args, npls, ours, theirs) -> dict:
     rows, results = [], []
     for n in npls:
         kv = [o["output_tok_s"] for o in ours[n]]
-        ll = [t["pl"] * t["tg"] / t["t"] for t in theirs[n]]
+        ll = [output_tok_s(t) for t in theirs[n]]
         ratios = sorted(a / b for a, b in zip(kv, ll))
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         results.append({"npl": n, "kvpage_output_tok_s": kv, "llamacpp_output_tok_s": ll,
                         "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
+                        "llamacpp_layout": [t["layout"] for t in theirs[n]],
                         "kvpage_ttft_p50_s": [o["ttft_p50_s"] for o in ours[n]],
                         "kvpage_prefix_cache_hit_rate": [o["prefix_cache_hit_rate"] for o in ours[n]],
                         "speedup_rounds": [a / b for a, b in zip(kv, ll)], "speedup": med(ratios),
                         "llamacpp_rows": theirs[n]})
         rows.append({"npl": n, "kvpage tok/s": f"{med(kv):.1f}", "llama.cpp tok/s": f"{med(ll):.1f}",
+                     "llama.cpp layout": "/".join(sorted({t["layout"] for t in theirs[n]})),
                      "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
                      "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
                      + ", ".join(f"{a / b:.2f}" for a, b in zip(kv, ll)) + ")"})
     print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, fp32, model {f32_model().name} for llama.cpp")
-    print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp S_TG", "kvpage/llama.cpp"])
+    print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp layout", "llama.cpp S_TG",
+                       "kvpage/llama.cpp"])
     payload = {"pp": args.pp, "tg": args.tg, "threads": args.threads, "rounds": args.rounds,
                "machine": machine_info(), "results": results}
     write_json("llamacpp", payload)

@@ -31,15 +31,18 @@ def available() -> bool:
     return batched_bench().is_file() and f32_model() is not None
 
 
-def run_batched_bench(pp: int, tg: int, npls: list[int], threads: int, timeout_s: float = 1800) -> list[dict]:
-    """One llama-batched-bench process: for each npl, npl sequences share one pp-token prompt (-pps,
-    computed once, in a unified KV buffer: -kvu) and then decode tg tokens together; flash attention on.
-    Returns its rows (t_pp, t_tg, t in seconds; speed_* in tokens/s), one per npl."""
+def run_batched_bench(pp: int, tg: int, npls: list[int], threads: int, kv_unified: bool,
+                      timeout_s: float = 1800) -> list[dict]:
+    """One llama-batched-bench process: for each npl, npl sequences share one pp-token prompt (-pps:
+    computed once, then copied to every sequence's cells; or, kv_unified, held once in one buffer all
+    sequences attend over: -kvu) and then decode tg tokens together; flash attention on. Returns its
+    rows (t_pp, t_tg, t in seconds; speed_* in tokens/s), one per npl."""
     if not available():
         raise RuntimeError(f"no llama.cpp peer under {llamacpp_dir()}: run bash bench/peers/setup_llamacpp.sh")
-    cmd = [str(batched_bench()), "-m", str(f32_model()), "-c", str(pp + max(npls) * tg + 16), "-b", "2048",
-           "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npls)), "-pps", "-kvu",
-           "-fa", "on", "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+    cmd = [str(batched_bench()), "-m", str(f32_model()), "-c", str(max(npls) * (pp + tg) + 16), "-b", "2048",
+           "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npls)), "-pps",
+           "-kvu" if kv_unified else "-no-kvu", "-fa", "on", "-t", str(threads), "-tb", str(threads),
+           "--output-format", "jsonl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     lines = (proc.stdout + "\n" + proc.stderr).splitlines()
     rows = [json.loads(line[line.index(ROW_PREFIX):]) for line in lines if ROW_PREFIX in line]

@@ -4,12 +4,13 @@ At decode's few rows per step (M = the batch, tens of tokens) a linear layer is 
 weight from memory, and plain nn.Linear (sgemm) also repacks the weight into its panel format on every
 call. Two packings, chosen by the CPU:
 
-- AVX-512 (kvpage's own kernel, `kvpage.ops.layers.packed_linear`): weights in 48-column slabs that
+- AVX-512 or AVX2 (kvpage's own kernel, `kvpage.ops.layers.packed_linear`): weights in 48-column slabs that
   each thread streams once per call while prefetching the next. Layers that read the same input are
   packed as ONE matrix and computed in one call: q/k/v of an attention module, gate/up of an MLP (as
   vLLM's QKVParallelLinear and MergedColumnParallelLinear do); each member returns its slice.
   `python bench/linear.py` (a step's linears of SmolLM2, cold caches, 2 threads), ms per step at
-  M = 8 / 32 / 64 / 128 rows: 33.6 / 55.3 / 96.5 / 124.1 vs MKL packed 41.0 / 64.8 / 100.4 / 152.6.
+  M = 8 / 32 / 64 / 128 rows: 33.6 / 55.3 / 96.5 / 124.1 vs MKL packed 41.0 / 64.8 / 100.4 / 152.6
+  (AVX-512 VM); 32.4 / 82.3 / 147.8 / 224.8 vs 78.3 / 122.3 / 177.2 / 298.7 (AVX2 kernel, AMD EPYC VM).
 - Otherwise MKL's packed sgemm (cblas_sgemm_pack through torch.ops.mkl, as torch.compile's CPU backend
   uses it), one matrix per layer: 49.8 vs 56.6 ms plain at M = 37, bit-identical to F.linear from M = 16.
 
@@ -143,7 +144,7 @@ def _pack_mkl(model: torch.nn.Module) -> int:
 @torch.inference_mode()
 def prepack_linear_weights(model: torch.nn.Module) -> int:
     """Give every fp32 CPU nn.Linear of `model` a packed weight its forward multiplies with (kvpage's
-    slabs on AVX-512 CPUs, else MKL's); returns how many changed (0 where neither is available)."""
+    slabs on AVX-512 and AVX2 CPUs, else MKL's); returns how many changed (0 where neither is available)."""
     if slab_kernel_available():
         return _pack_slabs(model)
     return _pack_mkl(model) if mkl_packing_available() else 0
