@@ -1,14 +1,15 @@
 """The emulator's share of tests/cuda in an ordinary run: every kernel, instantiation and code path
-still runs in it, but two cross products (heads x block sizes) keep block sizes 1, 16 and 256 and
-the long prefills run for one query dtype each, which halves the emulator's ~8 minutes on 2
-cores. The GPU backend always runs everything. KVPAGE_CUDA_EMU_FULL=1 gives the emulator the full set too."""
+still runs in it, but two cross products (heads x block sizes) keep block sizes 1, 16 and 256, the
+long prefill runs for one query dtype and the fp8 long prefill not at all (test_fp8_prefill's
+700-token rows take the same path), which halves the emulator's ~8 minutes on 2 cores. The GPU
+backend always runs everything. KVPAGE_CUDA_EMU_FULL=1 gives the emulator the full set too."""
 import os
 import re
 
 _TRIMMED = [
     re.compile(r"test_(decode|prefill)_heads_and_blocks\[emu-(8|32)-"),
     re.compile(r"test_prefill_long\[emu-dtype1\]"),
-    re.compile(r"test_fp8_prefill_long\[emu-torch.float16\]"),
+    re.compile(r"test_fp8_prefill_long\[emu-"),
 ]
 
 
