@@ -95,20 +95,20 @@ def report(args, npls, ours, theirs) -> dict:
     for n in npls:
         kv = [o["output_tok_s"] for o in ours[n]]
         ll = [output_tok_s(t) for t in theirs[n]]
-        ratios = sorted(a / b for a, b in zip(kv, ll))
+        ratios = [a / b for a, b in zip(kv, ll)]
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         results.append({"npl": n, "kvpage_output_tok_s": kv, "llamacpp_output_tok_s": ll,
                         "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
                         "llamacpp_layout": [t["layout"] for t in theirs[n]],
                         "kvpage_ttft_p50_s": [o["ttft_p50_s"] for o in ours[n]],
                         "kvpage_prefix_cache_hit_rate": [o["prefix_cache_hit_rate"] for o in ours[n]],
-                        "speedup_rounds": [a / b for a, b in zip(kv, ll)], "speedup": med(ratios),
+                        "speedup_rounds": ratios, "speedup": med(ratios),
                         "llamacpp_rows": theirs[n]})
         rows.append({"npl": n, "kvpage tok/s": f"{med(kv):.1f}", "llama.cpp tok/s": f"{med(ll):.1f}",
                      "llama.cpp layout": "/".join(sorted({t["layout"] for t in theirs[n]})),
                      "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
                      "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
-                     + ", ".join(f"{a / b:.2f}" for a, b in zip(kv, ll)) + ")"})
+                     + ", ".join(f"{x:.2f}" for x in ratios) + ")"})
     print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, fp32, model {f32_model().name} for llama.cpp")
     print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp layout", "llama.cpp S_TG",
                        "kvpage/llama.cpp"])

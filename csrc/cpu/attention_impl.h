@@ -7,9 +7,11 @@
 // the packed linear layer of gemm_impl.h.
 #include "kernels.h"
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>  // gemm_impl.h: std::index_sequence
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>  // vec.h is included inside a namespace: system headers come first
 #endif

@@ -16,10 +16,8 @@
 // fused multiply-add per term, then adds the bias: the same bits on AVX-512 and AVX2.
 #pragma once
 
-#if defined(__AVX512F__)
-constexpr int64_t kMaxRowsPerPass = 8;
-#elif defined(KVPAGE_VEC_AVX2)
-constexpr int64_t kMaxRowsPerPass = 4;
+#if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
+constexpr int64_t kMaxRowsPerPass = 4;  // 16 ymm registers
 #else
 constexpr int64_t kMaxRowsPerPass = 8;
 #endif
@@ -136,17 +134,16 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
 using SlabPass = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*,
                           PrefetchStream);
 
+// slab_pass<1> .. slab_pass<kMaxRowsPerPass>, indexed by rows - 1.
+template <size_t... R>
+constexpr std::array<SlabPass, sizeof...(R)> pass_table(std::index_sequence<R...>) {
+  return {{slab_pass<int(R) + 1>...}};
+}
+
 // Slabs [slab_begin, slab_end) of y = x @ W.T + bias. Rows go in even passes of <= kMaxRowsPerPass
 // (64 rows are 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of the next slab.
 void linear_slabs(const LinearArgs& a, int64_t slab_begin, int64_t slab_end) {
-#if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
-  static constexpr SlabPass kPass[kMaxRowsPerPass + 1] = {nullptr, slab_pass<1>, slab_pass<2>, slab_pass<3>,
-                                                          slab_pass<4>};
-#else
-  static constexpr SlabPass kPass[kMaxRowsPerPass + 1] = {
-      nullptr, slab_pass<1>, slab_pass<2>, slab_pass<3>, slab_pass<4>,
-      slab_pass<5>, slab_pass<6>, slab_pass<7>, slab_pass<8>};
-#endif
+  static constexpr auto kPass = pass_table(std::make_index_sequence<kMaxRowsPerPass>{});
   const int64_t slab_floats = a.k * kSlabColumns;
   const int64_t passes = (a.m + kMaxRowsPerPass - 1) / kMaxRowsPerPass;
   const int64_t lines_per_pass = slab_floats * 4 / 64 / passes;
@@ -159,7 +156,7 @@ void linear_slabs(const LinearArgs& a, int64_t slab_begin, int64_t slab_end) {
       const int64_t rows = (a.m - row) / (passes - p);
       const char* pf_base = reinterpret_cast<const char*>(w + slab_floats) + p * lines_per_pass * 64;
       const PrefetchStream pf{pf_base, has_next ? lines_per_pass : 0, a.k};
-      kPass[rows](a.x + row * a.k, a.k, w, a.y + row * a.n + col0, a.n, ncols, a.bias ? a.bias + col0 : nullptr,
+      kPass[rows - 1](a.x + row * a.k, a.k, w, a.y + row * a.n + col0, a.n, ncols, a.bias ? a.bias + col0 : nullptr,
                   pf);
       row += rows;
     }

@@ -45,10 +45,10 @@ DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int6
   if (forced == 0) {
     if (ctas_per_partition >= kSinglePassCtasPerSm * num_sms()) return split;
     const int64_t floor = std::max(kMinPartitionTokens, block_size);
+    // Halving stops at the floor, so a partition stays whole blocks (block sizes are powers of two <= 256).
     while (part / 2 >= floor && ctas_per_partition * ((capacity + part - 1) / part) < kSplitCtasPerSm * num_sms()) {
       part /= 2;
     }
-    part = std::max(part, block_size);  // a partition is whole blocks
   }
   const int64_t parts = (capacity + part - 1) / part;
   if (parts > 1) split.partition_size = part, split.max_partitions = parts;

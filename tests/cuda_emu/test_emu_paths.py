@@ -14,11 +14,12 @@ from cuda_backends import get_backend  # noqa: E402
 FP8 = torch.float8_e4m3fn
 
 
-def mmas_of(call):
+def stats_of(call) -> dict:
+    """The emulator's counters (launches, blocks, mmas, ...) that call() adds."""
     emu = get_backend("emu").emu
-    before = emu.stats()["mmas"]
+    before = emu.stats()
     call()
-    return emu.stats()["mmas"] - before
+    return {k: v - before[k] for k, v in emu.stats().items()}
 
 
 def attention_inputs(ops, dtype, cache_dtype, num_tokens):
@@ -43,7 +44,7 @@ def test_prefill_path(dtype, cache_dtype, tensor_cores):
     ops = get_backend("emu").ops
     query, key_cache, value_cache, tables = attention_inputs(ops, dtype, cache_dtype, 40)
     starts, lens = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
-    mmas = mmas_of(lambda: ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens))
+    mmas = stats_of(lambda: ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens))["mmas"]
     assert (mmas > 0) == tensor_cores, f"{mmas} mma.sync operations"
 
 
@@ -52,7 +53,7 @@ def test_decode_is_simt(cache_dtype):
     ops = get_backend("emu").ops
     query, key_cache, value_cache, tables = attention_inputs(ops, torch.float16, cache_dtype, 1)
     lens = torch.tensor([100], dtype=torch.int32)
-    assert mmas_of(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens)) == 0
+    assert stats_of(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens))["mmas"] == 0
 
 
 def decode_grid(rows, capacity):
@@ -63,10 +64,8 @@ def decode_grid(rows, capacity):
     query = torch.randn(rows, 9, 64, generator=gen).half()
     tables = torch.randint(0, 8, (rows, capacity // 16), generator=gen, dtype=torch.int32)
     lens = torch.full((rows,), 20, dtype=torch.int32)  # short rows: later partitions exit at once
-    before = backend.emu.stats()
-    backend.ops.paged_attention(query, key_cache, value_cache, tables, lens)
-    after = backend.emu.stats()
-    return after["launches"] - before["launches"], after["blocks"] - before["blocks"]
+    added = stats_of(lambda: backend.ops.paged_attention(query, key_cache, value_cache, tables, lens))
+    return added["launches"], added["blocks"]
 
 
 @pytest.mark.parametrize("rows, capacity, partition", [
