@@ -43,6 +43,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bs = self.bm.block_size
         for pos, slot in zip(range(start, start + num_new_tokens),
                              self.bm.slot_mapping(seq, start, start + num_new_tokens)):
+            if slot < 0:  # already cached (a full hit's last token): the invariant checks it is there
+                continue
             self.device_kv.setdefault(slot // bs, [None] * bs)[slot % bs] = seq.token_ids[pos]
         self.bm.mark_computed(seq, num_new_tokens)
 
@@ -64,7 +66,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = Sequence(self.next_id, tokens)
         self.next_id += 1
         hit = self.bm.lookup_prefix(seq)
-        assert hit % self.bm.block_size == 0 and hit < len(tokens)
+        # Whole blocks, or on a full hit all but the last token, which must run for its logits.
+        assert hit < len(tokens) and (hit % self.bm.block_size == 0 or hit == len(tokens) - 1)
         num_new = min(chunk, len(tokens) - hit)
         if not self.bm.can_allocate(seq, num_new):
             return

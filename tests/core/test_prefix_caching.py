@@ -19,12 +19,32 @@ def test_second_request_reuses_the_shared_full_blocks_with_ref_counts(prefill):
     check_block_manager(bm, [first, second])
 
 
-def test_the_block_holding_the_prompts_last_token_is_never_reused(prefill):
+def test_a_full_hit_recomputes_only_the_last_token_and_never_writes_the_cached_block(prefill):
     bm = BlockManager(8, block_size=16)
-    prefill(bm, 0, list(range(32)))
+    first = prefill(bm, 0, list(range(32)))
     same = Sequence(1, list(range(32)))
-    assert bm.allocate(same) == 16  # block 2 holds the last token: it must be computed for logits
-    assert len(same.block_table) == 2
+    assert bm.lookup_prefix(same) == 31
+    assert bm.allocate(same) == 31  # the last token runs again, for its logits
+    assert same.block_table == first.block_table and bm.stats().num_used_blocks == 2
+    assert bm.slot_mapping(same, 31, 32) == [-1]  # its K/V are in the shared block already
+    bm.mark_computed(same, 1)
+    check_block_manager(bm, [first, same])
+    # Decoding on draws a private block: the shared ones stay as they were.
+    same.append_token(99)
+    assert bm.append_slots(same, 1) == []
+    assert len(same.block_table) == 3 and same.block_table[2] not in first.block_table
+    assert bm.slot_mapping(same, 32, 33) == [same.block_table[2] * 16]
+    check_block_manager(bm, [first, same])
+
+
+def test_a_full_hit_on_a_one_token_block_still_computes_that_token():
+    bm = BlockManager(8, block_size=1)
+    seq = Sequence(0, [7])
+    bm.allocate(seq)
+    bm.mark_computed(seq, 1)
+    again = Sequence(1, [7])
+    assert bm.allocate(again) == 0 and again.block_table == seq.block_table
+    assert bm.slot_mapping(again, 0, 1) == [-1]
 
 
 def test_match_stops_at_the_first_block_that_differs(prefill):

@@ -24,6 +24,17 @@ def test_default_model_matches_hf(llm, hf_greedy):
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
 
 
+def test_identical_block_aligned_prompts_share_every_block(llm, hf_model, prompt_ids):
+    # A 48-token prompt (3 full blocks) sent 6 times in one batch: the first computes it, the rest
+    # wait a step, then hit all 3 blocks and recompute only the last token (for its logits).
+    prompt = [t for ids in prompt_ids for t in ids][:48]  # block_size 16
+    engine = make_llm(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = engine.generate([prompt] * 6, params, use_tqdm=False)
+    assert_greedy_matches(outputs, hf_generate(hf_model, [prompt], 8) * 6)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 5 * (len(prompt) - 1)
+
+
 # A budget of 32 tokens chunks every long prompt; 16 blocks (256 tokens) cannot hold the batch's
 # ~1,800 tokens, so requests are preempted and resumed, by swap or by recompute.
 CONFIGS = {

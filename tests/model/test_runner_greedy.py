@@ -55,6 +55,20 @@ def test_prefix_cache_hits(family):
     assert_same_greedy(run, hf_greedy(family.reference, prompts, MAX_NEW))
 
 
+def test_a_full_prefix_hit_recomputes_only_the_last_token(family):
+    # Block-aligned prompts asked again: every block is a hit, only the last token runs (for its
+    # logits) and its K/V are not rewritten into the shared block (slot -1).
+    aligned = random_prompts([2 * BLOCK, BLOCK, 3 * BLOCK], seed=9)
+    prompts = aligned + aligned + [aligned[0]]
+    # Repeats 3-4 arrive while their originals decode (shared blocks); 5 after those finished (cached).
+    arrivals = [0, 0, 0, 2, 2, 3, MAX_NEW + 6]
+    run = run_greedy(make_runner(family.model), prompts, MAX_NEW, arrivals=arrivals, enable_prefix_caching=True)
+    stats = run.block_manager.stats()
+    repeats = prompts[len(aligned):]
+    assert stats.prefix_cache_hit_tokens == sum(len(p) - 1 for p in repeats)
+    assert_same_greedy(run, hf_greedy(family.reference, prompts, MAX_NEW))
+
+
 def test_forked_sequences_copy_on_write(family):
     # Prompts of 17 and 33 tokens leave their last block part-full, so the children's first decode
     # writes into a shared block: copy-on-write must copy it (blocks_to_copy) or they read zeros.

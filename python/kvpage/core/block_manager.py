@@ -70,8 +70,12 @@ class BlockManager:
     # -- admission -----------------------------------------------------------------------------
 
     def lookup_prefix(self, seq: Sequence) -> int:
-        """Tokens of `seq` the prefix cache already holds (a whole number of blocks); takes nothing."""
-        return len(self._match_prefix(seq)) * self.block_size
+        """Tokens of `seq` the prefix cache already holds, so need not compute; takes nothing.
+
+        A whole number of blocks, except on a full hit (every block of the prompt cached), where the
+        last token still runs for its logits: then len - 1.
+        """
+        return self._num_hit_tokens(seq, self._match_prefix(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         """Whether `allocate(seq, num_new_tokens)` fits and still leaves the watermark free."""
@@ -99,7 +103,7 @@ class BlockManager:
         for block_id in hits:
             pool.incref(block_id)
         seq.block_table = hits + [pool.allocate() for _ in range(num_new_blocks)]
-        num_cached = len(hits) * self.block_size
+        num_cached = self._num_hit_tokens(seq, hits)
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching:
             self._queried_tokens += len(seq.token_ids)
@@ -113,7 +117,7 @@ class BlockManager:
         if self._cache is None or seq.block_table:
             return None
         i = len(self._match_prefix(seq))
-        return self._block_hash(seq, i) if i < (len(seq.token_ids) - 1) // self.block_size else None
+        return self._block_hash(seq, i) if i < len(seq.token_ids) // self.block_size else None
 
     def full_block_hashes(self, seq: Sequence, start: int, end: int) -> list[bytes]:
         """Hashes of the blocks that computing tokens [start, end) of `seq` fills (prefix caching on)."""
@@ -125,19 +129,22 @@ class BlockManager:
         cache = self._cache
         if cache is None or seq.block_table:
             return []
-        # The block holding the last token is never reused: that token must run to produce logits.
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
         hits: list[int] = []
-        for i in range(max_blocks):
+        for i in range(len(seq.token_ids) // self.block_size):
             block_id = self._lookup(seq, i)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
+    def _num_hit_tokens(self, seq: Sequence, hits: list[int]) -> int:
+        # A full hit still recomputes the last token, for its logits (vLLM instead gives up the whole
+        # last block); slot_mapping keeps that token off the cached block it already sits in.
+        return min(len(hits) * self.block_size, len(seq.token_ids) - 1)
+
     def _plan_allocation(self, seq: Sequence, hits: list[int], num_new_tokens: int | None) -> tuple[int, int]:
         """(fresh blocks to draw, cached hits to revive): both come out of the free count."""
-        num_cached = len(hits) * self.block_size
+        num_cached = self._num_hit_tokens(seq, hits)
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
             num_new_tokens = remaining
@@ -255,10 +262,18 @@ class BlockManager:
         seq.swapped = False
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset)."""
+        """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset;
+        -1 where the cache already holds that position's K/V)."""
         if seq.swapped:
             raise ValueError(f"seq {seq.seq_id} is swapped out; its slots are not on the device")
-        return slot_mapping(seq.block_table, self.block_size, start, end)
+        slots = slot_mapping(seq.block_table, self.block_size, start, end)
+        cache = self._cache
+        # Only the last token of a full hit lands in an indexed block: its K/V are there already,
+        # and an indexed block is never written (others may be reading it), so it maps to -1.
+        if cache is not None and end > start and cache.contains_block(seq.block_table[start // self.block_size]):
+            slots[:] = [-1 if cache.contains_block(seq.block_table[p // self.block_size]) else slot
+                        for p, slot in zip(range(start, end), slots)]
+        return slots
 
     # -- prefix cache --------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ class ScheduledSequence:
     num_scheduled_tokens: int
     token_ids: list[int]  # the tokens at those positions
     block_table: list[int]  # a copy: later steps may grow the live one
-    slot_mapping: list[int]
+    slot_mapping: list[int]  # -1: this position's K/V is already cached (the last token of a full hit)
     is_prefill: bool  # prompt (or recompute) tokens rather than one decode token
     do_sample: bool  # the last scheduled token is the sequence's last: keep its logits and sample
     num_samples: int  # tokens to sample from those logits: n where the prompt's completion forks n samples

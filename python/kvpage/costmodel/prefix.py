@@ -53,8 +53,8 @@ def prefix_cache_ttft(model: ModelShape, device: Device, num_requests: int = 50,
                          f" max_num_batched_tokens >= 1; got {num_requests}, {shared_tokens}, {unique_tokens},"
                          f" {max_num_batched_tokens}")
     prompt = shared_tokens + unique_tokens
-    # Full blocks of the shared prompt; the block holding a prompt's last token is never a hit.
-    hit = min(shared_tokens // block_size, (prompt - 1) // block_size) * block_size
+    # Full blocks of the shared prompt (each request's own tail, >= 1 token, is never a hit).
+    hit = shared_tokens // block_size * block_size
     args = (model, device, num_requests, prompt, max_num_batched_tokens, dtype_bytes)
     off, _ = _serve(*args, hit_tokens=0)
     on, hits = _serve(*args, hit_tokens=hit)
