@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Compile-checks every CUDA kernel file with the local nvcc for sm_80 and sm_90 (no GPU, no
-# torch needed) and prints registers / spills per kernel (-Xptxas -v). Fails on any error.
+# Compile-checks every CUDA kernel file with the local nvcc for sm_80 and sm_90 (no GPU needed),
+# as C++17 with every nvcc warning an error, and prints registers / spills per kernel
+# (-Xptxas -v). Fails on any error.
 #
-#   .ci/cuda_check.sh            kernels only (~3 min on 2 cores)
-#   .ci/cuda_check.sh --build    also build the real extension against a CUDA torch in a
-#                                scratch copy of the tree and check the ops have CUDA kernels
+#   .ci/cuda_check.sh            kernels only, each file on its own (no torch; ~2 min on 2 cores)
+#   .ci/cuda_check.sh --build    the same checks inside a build of the real extension against a
+#                                CUDA torch, in a scratch copy of the tree (each .cu compiles once),
+#                                then check every op registers a CUDA kernel
 #                                (KVPAGE_CI_CUDA_BUILD=1 does the same; creates the venv if missing)
 #
 # Env: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), CUDA_ARCHS (default "80 90"),
@@ -20,44 +22,49 @@ done
 ARCHS="${CUDA_ARCHS:-80 90}"
 BUILD="${KVPAGE_CI_CUDA_BUILD:-0}"
 [[ "${1:-}" == "--build" ]] && BUILD=1
+CHECK_FLAGS="-Xptxas -v -Werror all-warnings"
+JOBS="${JOBS:-$(nproc)}"
 
 if [[ ! -x "$NVCC" ]]; then
   echo "cuda_check: nvcc not found ($NVCC); set NVCC" >&2
   exit 1
 fi
 echo "cuda_check: $("$NVCC" --version | tail -1)"
-
 LOG="$(mktemp -d)"
-trap 'rm -rf "$LOG"' EXIT
-status=0
-# At most JOBS compiles at once (default: the core count), so each one's wall time below is
-# its own compile time, not a share of an oversubscribed machine.
-JOBS="${JOBS:-$(nproc)}"
-for src in "$ROOT"/csrc/cuda/*.cu; do
-  for arch in $ARCHS; do
-    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
-    out="$LOG/$(basename "$src" .cu).sm_$arch.log"
-    ( start=$EPOCHREALTIME
-      "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -Xptxas -v -Werror all-warnings \
-        -c "$src" -o /dev/null >"$out" 2>&1 || echo "FAILED" >>"$out"
-      echo "$(basename "$src") sm_$arch $start $EPOCHREALTIME" >"$out.time" ) &
+SCRATCH=""
+trap 'rm -rf "$LOG" $SCRATCH' EXIT
+
+# Each .cu alone, once per arch, at most JOBS at a time (so a file's wall time is its own compile
+# time, not a share of an oversubscribed machine). Logs: $LOG/<file>.sm_<arch>.log and .time.
+compile_each_file() {
+  for src in "$ROOT"/csrc/cuda/*.cu; do
+    for arch in $ARCHS; do
+      while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
+      out="$LOG/$(basename "$src" .cu).sm_$arch.log"
+      ( start=$EPOCHREALTIME
+        # shellcheck disable=SC2086
+        "$NVCC" -std=c++17 -O3 -arch="sm_$arch" $CHECK_FLAGS -c "$src" -o /dev/null >"$out" 2>&1 ||
+          echo "FAILED" >>"$out"
+        echo "$(basename "$src") sm_$arch $start $EPOCHREALTIME" >"$out.time" ) &
+    done
   done
-done
-wait
+  wait
+  local failed=0
+  for out in "$LOG"/*.log; do
+    if grep -q "^FAILED" "$out" || grep -qi "error" "$out"; then
+      echo "cuda_check: $(basename "$out" .log) FAILED" >&2
+      grep -v "ptxas info" "$out" >&2 || true
+      failed=1
+    fi
+  done
+  return $failed
+}
 
-for out in "$LOG"/*.log; do
-  name="$(basename "$out" .log)"
-  if grep -q "^FAILED" "$out" || grep -qi "error" "$out"; then
-    echo "cuda_check: $name FAILED" >&2
-    grep -v "ptxas info" "$out" >&2 || true
-    status=1
-  fi
-done
-
-# Registers / spills per kernel: "Compiling entry function 'X' for 'sm_N'" comes before that
-# kernel's spill and "Used N registers" lines.
-echo
-python3 - "$LOG"/*.log <<'PYEOF'
+# Registers / spills per kernel from nvcc logs: "Compiling entry function 'X' for 'sm_N'" comes
+# before that kernel's spill and "Used N registers" lines (ninja prints each command's output
+# whole, so a build log reads the same way).
+report_registers() {
+  python3 - "$@" <<'PYEOF'
 import re, subprocess, sys
 rows = set()
 for path in sys.argv[1:]:
@@ -70,6 +77,8 @@ for path in sys.argv[1:]:
         elif (m := re.search(r"Used (\d+) registers", line)) and fn:
             rows.add((arch, fn, int(m[1]), spill))
             fn = None
+if not rows:
+    sys.exit("cuda_check: no register report found in the nvcc output (-Xptxas -v missing?)")
 names = sorted({r[1] for r in rows})
 try:
     pretty = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
@@ -83,17 +92,25 @@ print(f"{'arch':7} {'kernel':58} {'regs':>5} {'spill st/ld':>12}")
 for arch, name, regs, spill in sorted({(a, short[f], r, s) for a, f, r, s in rows}):
     print(f"{arch:7} {name[:58]:58} {regs:5d} {spill:>12}")
 PYEOF
-echo
-echo "compile seconds per file and arch ($JOBS at a time):"
-sort "$LOG"/*.time | awk '{printf "  %-36s %-6s %6.1f\n", $1, $2, $4 - $3}'
-spills="$(grep -h "bytes spill stores" "$LOG"/*.log | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)"
-echo "cuda_check: kernels with spills: $spills"
-[[ $status -ne 0 ]] && { echo "cuda_check: nvcc compile check FAILED" >&2; exit 1; }
-echo "cuda_check: all kernel files compile for sm_${ARCHS// /, sm_}"
+  local spills
+  spills="$(grep -h "bytes spill stores" "$@" | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)"
+  echo "cuda_check: kernels with spills: $spills"
+}
 
-[[ "$BUILD" == "1" ]] || exit 0
+if [[ "$BUILD" != "1" ]]; then
+  status=0
+  compile_each_file || status=1
+  echo
+  report_registers "$LOG"/*.log
+  echo
+  echo "compile seconds per file and arch ($JOBS at a time):"
+  sort "$LOG"/*.time | awk '{printf "  %-36s %-6s %6.1f\n", $1, $2, $4 - $3}'
+  [[ $status -ne 0 ]] && { echo "cuda_check: nvcc compile check FAILED" >&2; exit 1; }
+  echo "cuda_check: all kernel files compile for sm_${ARCHS// /, sm_}"
+  exit 0
+fi
 
-# ---- Full extension build against a CUDA torch, in a scratch copy (never touches the tree's _C) ----
+# ---- The real extension against a CUDA torch, in a scratch copy (never touches the tree's _C) ----
 VENV="${KVPAGE_CUDA_VENV:-/work/cuda-venv}"
 if [[ ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
@@ -101,7 +118,6 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 SCRATCH="$(mktemp -d /tmp/kvpage-cuda-build.XXXX)"
-trap 'rm -rf "$LOG" "$SCRATCH"' EXIT
 (cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 -I{} cp --parents {} "$SCRATCH"/) 2>/dev/null ||
   (cd "$ROOT" && tar --exclude=./build --exclude='*.so' --exclude=./.git -cf - . | tar -xf - -C "$SCRATCH")
 export PATH="$(dirname "$NVCC"):$VENV/bin:$PATH"
@@ -110,12 +126,23 @@ EXTRA=()
 # A pip torch finds its nvrtc in site-packages, not in a bare toolkit.
 NVRTC="$("$PY" -c 'import glob,nvidia,os;print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0],"*","lib","libnvrtc.so*")))),""))' 2>/dev/null || true)"
 [[ -n "$NVRTC" ]] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC" "-DCUDA_NVRTC_LIB=$NVRTC")
-TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}" cmake -S "$SCRATCH" -B "$SCRATCH/build" -G Ninja \
-  -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON \
+ARCH_LIST="$(for a in $ARCHS; do printf '%s.%s;' "${a:0:-1}" "${a: -1}"; done)"
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH_LIST%;}}" cmake -S "$SCRATCH" -B "$SCRATCH/build" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_CUDA_FLAGS="$CHECK_FLAGS" \
   -DKVPAGE_OUTPUT_DIR="$SCRATCH/python/kvpage" "${EXTRA[@]}" >"$LOG/configure.txt" 2>&1 ||
   { cat "$LOG/configure.txt" >&2; exit 1; }
-cmake --build "$SCRATCH/build" -j "${MAX_JOBS:-$(nproc)}" >"$LOG/build.txt" 2>&1 ||
-  { tail -60 "$LOG/build.txt" >&2; echo "cuda_check: extension build FAILED" >&2; exit 1; }
+cmake --build "$SCRATCH/build" -j "${MAX_JOBS:-$JOBS}" >"$LOG/build.txt" 2>&1 ||
+  { grep -v "ptxas info" "$LOG/build.txt" | tail -60 >&2; echo "cuda_check: extension build FAILED" >&2; exit 1; }
+if grep -i "warning" "$LOG/build.txt" | grep -q "csrc/cuda/.*\.cu"; then
+  grep -i "warning" "$LOG/build.txt" | grep "csrc/cuda/.*\.cu" >&2; echo "cuda_check: nvcc warnings" >&2; exit 1
+fi
+echo
+report_registers "$LOG/build.txt"
+echo
+echo "compile seconds per kernel file, all archs in one nvcc call ($JOBS at a time):"
+awk '!/^#/ && $4 ~ /\.cu\.o$/ {n = split($4, p, "/"); printf "  %-36s %6.1f\n", p[n], ($2 - $1) / 1000}' \
+  "$SCRATCH/build/.ninja_log" | sort
+echo "cuda_check: all kernel files compile for sm_${ARCHS// /, sm_}"
 # Launchers defined in one .cu and called from another (attention_decode.h) must all link: a
 # shared library may carry undefined symbols until the first call, so check them here.
 undefined="$(nm -C -D --undefined-only "$SCRATCH"/python/kvpage/_C*.so | grep "kvpage::" || true)"

@@ -12,7 +12,8 @@ PY="${PYTHON:-python3}"
 mkdir -p "$DIR"
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR"
+  # Only the sdist is wanted: its build tools (cmake, scikit-build-core) may come as wheels.
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DIR"
   tar -xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
 fi
 cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
