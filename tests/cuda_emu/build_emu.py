@@ -3,8 +3,9 @@ run by the emulator in runtime/ (see runtime/cuda_emu.h for what it models).
 
 The sources are copied into a build directory and two CUDA-only constructs rewritten on the way:
 `kernel<<<grid, block, smem, stream>>>(args)` becomes `::emu::launch(kernel, grid, block, smem,
-stream)(args)`, and each `__shared__` declaration a static the emulator refills with 0xFF bytes
-at every block start (`extern __shared__` arrays: the block's dynamic shared memory). Everything
+stream)(args)`, and each `__shared__` declaration a thread_local static (a block's fibers share
+one OS thread; blocks run on several) the emulator refills with 0xFF bytes at every block start
+(`extern __shared__` arrays: the block's dynamic shared memory). Everything
 else compiles as it is, with g++ and CUDA's own headers for the types (cuda_fp16.h & co. work in
 host code). Needs the CUDA toolkit's headers (CUDA_HOME or /usr/local/cuda) and x86-64.
 
@@ -82,7 +83,7 @@ def rewrite_shared(line):
     indent, declaration, _ = match.groups()
     names = [_declared_name(d) for d in _split_declarators(declaration)]
     registrations = " ".join(f"::emu::shared_decl(&{n}, sizeof({n}));" for n in names)
-    return f"{indent}static {declaration}; {registrations}\n"
+    return f"{indent}static thread_local {declaration}; {registrations}\n"
 
 
 def rewrite_device_source(text):
@@ -165,12 +166,16 @@ def load(verbose=False, asan=False):
              "-Wno-attributes"]
     # -O1 under ASan: half the compile time, and ASan's checks do not need more.
     sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"] if asan else []
+    # A launch spreads its blocks over OpenMP threads: torch's own runtime where the wheel bundles
+    # one (one thread pool in the process, sized by torch.set_num_threads).
+    torch_gomp = sorted((Path(cpp_extension.TORCH_LIB_PATH)).glob("libgomp*.so*"))
+    openmp = [str(torch_gomp[0])] if torch_gomp else ["-fopenmp"]
     # The compiler must not inherit an ASan preload (it would run on ASan's slow allocator).
     preload = os.environ.pop("LD_PRELOAD", None)
     try:
         return cpp_extension.load(
             name=NAME + ("_asan" if asan else ""), sources=[str(u) for u in units], build_directory=str(out),
-            verbose=verbose, extra_cflags=flags + sanitize, extra_ldflags=sanitize,
+            verbose=verbose, extra_cflags=flags + sanitize + ["-fopenmp"], extra_ldflags=sanitize + openmp,
             extra_include_paths=[str(RUNTIME / "fake_include"), str(RUNTIME), str(out / "src" / "cuda"),
                                  str(out / "src"), str(cuda_include)])
     finally:

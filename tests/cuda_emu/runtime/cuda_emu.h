@@ -1,19 +1,21 @@
 // kvpage's CUDA kernels compiled as ordinary C++ and run on the CPU, for tests on machines without
 // a GPU. Force-included (-include) before every source of the emulator build; build_emu.py has
 // already rewritten `k<<<grid, block, smem, stream>>>(args)` into emu::launch(...)(args) and
-// `__shared__` declarations into registered statics.
+// `__shared__` declarations into registered thread_local statics.
 //
-// Model: a launch runs its blocks one after another; each CUDA thread of a block is a fiber with
-// its own stack, switched cooperatively on one OS thread. A fiber runs until it reaches a block
-// barrier or a warp collective (shuffle, ballot, mma.sync, ldmatrix); a collective completes
-// when every lane of its warp has arrived, a barrier when every thread of the block has. Which
-// runnable fiber goes next is drawn at random (seeded), so a read of shared memory that another
-// thread writes without a barrier in between sees a different value from run to run. Shared
-// memory starts every block filled with 0xFF bytes (NaN as floats), cp.async copies land only
-// at the cp.async.wait_group that covers them, and a barrier that not every thread reaches, or
-// a collective with a lane that has exited, is an error, as is dynamic shared memory beyond
-// what the kernel opted into. What this cannot see: timing, tensor-core rounding (emulated in
-// fp32), and global-memory races between blocks (blocks never overlap here).
+// Model: a launch spreads its blocks over OS threads (an OpenMP team, torch's thread count), in no
+// fixed order; each CUDA thread of a block is a fiber with its own stack, switched cooperatively
+// on the one OS thread that runs the block. A fiber runs until it reaches a block barrier or a
+// warp collective (shuffle, ballot, mma.sync, ldmatrix); a collective completes when every lane of
+// its warp has arrived, a barrier when every thread of the block has. Which runnable fiber goes
+// next is drawn at random (seeded per launch and block), so a read of shared memory that another
+// thread writes without a barrier in between sees a different value from run to run. Shared memory
+// starts every block filled with 0xFF bytes (NaN as floats), cp.async copies land only at the
+// cp.async.wait_group that covers them, and a barrier that not every thread reaches, or a
+// collective with a lane that has exited, is an error, as is dynamic shared memory beyond what the
+// kernel opted into. What this cannot see: timing, tensor-core rounding (emulated in fp32), and
+// global-memory races between blocks (blocks do run side by side here, but a race shows only by
+// chance).
 #pragma once
 
 #define KVPAGE_CUDA_EMU 1
@@ -44,7 +46,7 @@
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 #undef __shared__
-#define __shared__ static
+#define __shared__ static thread_local
 
 
 // ---- CUDA's built-in variables and device intrinsics -----------------------------------------

@@ -57,7 +57,7 @@ float half_bits_to_float(uint16_t h, bool bf16) {
 // a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..] (low half first);
 // b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1].
 void serve_mma(Block& b, int warp, bool bf16) {
-  ++E().stats.mmas;
+  ++W().stats.mmas;
   Fiber* lanes = &b.fibers[warp * 32];
   float A[16][16], B[16][8], C[16][8];
   for (int l = 0; l < 32; ++l) {

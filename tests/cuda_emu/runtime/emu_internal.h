@@ -65,30 +65,47 @@ struct Block {
   std::string error;  // set: abandon the block
 };
 
+// Process-wide: configuration, the sticky error, and the running launch (read-only while its
+// blocks run).
 struct Emulator {
   std::mutex launch_mutex;
-  uint64_t rng = 0x9E3779B97F4A7C15ull;  // xorshift64* state
+  uint64_t seed = 0;
   bool random_order = true;
   int num_sms = 132;
   cudaError_t last_error = cudaSuccess;
   std::string last_message;
   std::map<const void*, size_t> smem_limits;
-  std::map<void*, uint64_t> shared_serial;
-  std::vector<char*> stacks;
-  std::vector<unsigned char> dynamic_smem;
-  uint64_t block_serial = 0;
+  uint64_t launch_serial = 0;
   Stats stats;
   // the running launch
-  uint3 block_idx{};
   dim3 grid{}, block{};
+  size_t smem = 0;
   KernelBody body = nullptr;
   void* closure = nullptr;
-  Block* current = nullptr;
 };
 
 inline Emulator& E() {
   static Emulator e;
   return e;
+}
+
+// One per OS thread that runs blocks (a launch spreads its blocks over an OpenMP team): the
+// block it runs, whose fibers never leave this thread, and everything that block may touch.
+// `__shared__` statics are thread_local for the same reason.
+struct Worker {
+  Block* current = nullptr;
+  uint3 block_idx{};
+  uint64_t rng = 0;  // xorshift64* state, seeded per block
+  std::vector<char*> stacks;
+  std::vector<unsigned char> dynamic_smem;
+  std::map<void*, uint64_t> shared_serial;
+  uint64_t block_serial = 0;
+  Stats stats;  // this launch's counts, merged into E().stats when the launch ends
+};
+
+inline Worker& W() {
+  static thread_local Worker w;
+  return w;
 }
 
 [[noreturn]] void fail(Block& b, const std::string& message);

@@ -1,14 +1,18 @@
-// The emulator's scheduler (see cuda_emu.h): blocks one after another, the threads of a block as
-// fibers on one OS thread, barriers, warp-collective arrivals (served in emu_collectives.cpp),
-// shared memory and cp.async; the launch itself.
+// The emulator's scheduler (see cuda_emu.h): a launch's blocks spread over an OpenMP team, the
+// threads of a block as fibers on one OS thread, barriers, warp-collective arrivals (served in
+// emu_collectives.cpp), shared memory and cp.async; the launch itself.
 #include "emu_internal.h"
 
 #include <cuda_fp16.h>
 
 #include <sys/mman.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -92,7 +96,7 @@ void switch_to_fiber(void** save_sp, void** fake_stack, Fiber& to) {
 }
 
 char* stack_for(int i) {
-  Emulator& e = E();
+  Worker& e = W();
   while (static_cast<int>(e.stacks.size()) <= i) {
     // A guard page below each stack turns an overflow into a fault instead of silent damage.
     void* p = mmap(nullptr, kStackBytes + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -106,9 +110,9 @@ char* stack_for(int i) {
 // The next thread to run, drawn from the runnable ones (or in thread order); nullptr if none.
 Fiber* pick_next(Block& b) {
   if (b.runnable.empty()) return nullptr;
-  Emulator& e = E();
+  Worker& e = W();
   size_t pick = 0;
-  if (e.random_order) {
+  if (E().random_order) {
     e.rng ^= e.rng >> 12, e.rng ^= e.rng << 25, e.rng ^= e.rng >> 27;
     pick = static_cast<size_t>((e.rng * 0x2545F4914F6CDD1Dull) >> 32) % b.runnable.size();
   }
@@ -124,7 +128,7 @@ void yield(Block& b) {
   Fiber* f = b.running;
   Fiber* next = b.error.empty() ? pick_next(b) : nullptr;
   if (next == f) return;
-  ++E().stats.switches;
+  ++W().stats.switches;
   void** fake = f->state == State::kDone ? nullptr : &f->fake_stack;  // a finished thread never resumes
   if (next == nullptr) {
     switch_context(&f->sp, fake, b.scheduler_sp, b.scheduler_bottom, b.scheduler_size);
@@ -143,8 +147,9 @@ void fail(Block& b, const std::string& message) {
 
 std::string thread_name(const Fiber& f) {
   std::ostringstream s;
-  s << "thread (" << f.tid.x << "," << f.tid.y << "," << f.tid.z << ") of block (" << E().block_idx.x << ","
-    << E().block_idx.y << "," << E().block_idx.z << ")";
+  const uint3& bi = W().block_idx;
+  s << "thread (" << f.tid.x << "," << f.tid.y << "," << f.tid.z << ") of block (" << bi.x << "," << bi.y << ","
+    << bi.z << ")";
   return s.str();
 }
 
@@ -178,17 +183,18 @@ std::string deadlock_report(const Block& b) {
 }
 
 void run_block(int num_threads) {
-  Emulator& e = E();
+  Worker& e = W();
+  const dim3 dims = E().block;
   Block b;
   e.current = &b;
   b.fibers.resize(num_threads);
   b.warps.resize((num_threads + 31) / 32);
   ++e.block_serial;
-  std::fill(e.dynamic_smem.begin(), e.dynamic_smem.end(), 0xFF);  // each block starts poisoned
+  e.dynamic_smem.assign(E().smem, 0xFF);  // each block starts poisoned
   for (int i = 0; i < num_threads; ++i) {
     Fiber& f = b.fibers[i];
     f.linear = i;
-    f.tid = make_uint3(i % e.block.x, i / e.block.x % e.block.y, i / (e.block.x * e.block.y));
+    f.tid = make_uint3(i % dims.x, i / dims.x % dims.y, i / (dims.x * dims.y));
     f.stack = stack_for(i);
 #ifdef EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // frames of abandoned or finished threads
@@ -217,7 +223,7 @@ void run_block(int num_threads) {
 }
 
 Block& block() {
-  Block* b = E().current;
+  Block* b = W().current;
   if (b == nullptr) throw std::logic_error("emu: device code called outside a kernel launch");
   return *b;
 }
@@ -229,7 +235,7 @@ using namespace detail;
 // ---- the API of cuda_emu.h -------------------------------------------------------------------
 
 const uint3& thread_idx() { return block().running->tid; }
-const uint3& block_idx() { return E().block_idx; }
+const uint3& block_idx() { return W().block_idx; }
 const dim3& block_dim() { return E().block; }
 const dim3& grid_dim() { return E().grid; }
 
@@ -238,7 +244,7 @@ void sync_block() {
   Fiber& f = *b.running;
   if (b.done > 0) fail(b, thread_name(f) + " reached __syncthreads after another thread of its block exited");
   f.state = State::kAtBarrier;
-  ++E().stats.barriers;
+  ++W().stats.barriers;
   if (++b.at_barrier == static_cast<int>(b.fibers.size())) {
     b.at_barrier = 0;
     for (Fiber& o : b.fibers) make_runnable(b, o);
@@ -268,15 +274,15 @@ void warp_collective(Op op, unsigned mask, void* request, int* int_result) {
   }
   f.state = State::kInCollective;
   f.op = op, f.mask = mask, f.request = request, f.int_result = int_result;
-  ++E().stats.collectives;
+  ++W().stats.collectives;
   if (++w.arrived == __builtin_popcount(mask)) serve_warp(b, warp);
   yield(b);
 }
 
-void* dynamic_smem() { return E().dynamic_smem.data(); }
+void* dynamic_smem() { return W().dynamic_smem.data(); }
 
 void shared_decl(void* address, size_t bytes) {
-  Emulator& e = E();
+  Worker& e = W();
   uint64_t& serial = e.shared_serial[address];
   if (serial != e.block_serial) {
     std::memset(address, 0xFF, bytes);
@@ -305,6 +311,24 @@ void cp_async_wait(int newest_pending) {
   if (land > 0) f.committed.erase(f.committed.begin(), f.committed.begin() + land);
 }
 
+namespace {
+
+// splitmix64 of (seed, launch, block): a block's thread order depends on nothing else.
+uint64_t block_seed(uint64_t launch, uint64_t block) {
+  uint64_t z = E().seed * 0x9E3779B97F4A7C15ull + launch * 0xD1B54A32D192ED03ull + block * 0x8CB92BA72F3D8DD7ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return z ? z : 1;  // never 0: xorshift's fixed point
+}
+
+void add_stats(Stats& total, const Stats& part) {
+  total.blocks += part.blocks, total.switches += part.switches, total.barriers += part.barriers;
+  total.collectives += part.collectives, total.mmas += part.mmas;
+}
+
+}  // namespace
+
 void run_grid(const void* kernel, dim3 grid, dim3 block_dims, size_t smem, KernelBody body, void* closure) {
   Emulator& e = E();
   std::lock_guard<std::mutex> lock(e.launch_mutex);
@@ -325,29 +349,46 @@ void run_grid(const void* kernel, dim3 grid, dim3 block_dims, size_t smem, Kerne
     }
     return;
   }
-  e.grid = grid, e.block = block_dims, e.body = body, e.closure = closure;
-  e.dynamic_smem.resize(smem);  // filled per block by run_block
+  e.grid = grid, e.block = block_dims, e.smem = smem, e.body = body, e.closure = closure;
   ++e.stats.launches;
-  try {
-    for (unsigned z = 0; z < grid.z; ++z) {
-      for (unsigned y = 0; y < grid.y; ++y) {
-        for (unsigned x = 0; x < grid.x; ++x) {
-          e.block_idx = make_uint3(x, y, z);
-          ++e.stats.blocks;
-          run_block(static_cast<int>(threads));
-        }
+  const uint64_t launch = ++e.launch_serial;
+  const int64_t num_blocks = int64_t(grid.x) * grid.y * grid.z;
+  // A GPU promises no order among blocks, so any OS thread may run any block; a block's thread
+  // order comes from (seed, launch, block), whichever runs it. After a failure no new block
+  // starts, and the lowest failing block's message is the launch's.
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  int64_t first_failure = std::numeric_limits<int64_t>::max();
+  std::string message;
+#pragma omp parallel if (num_blocks > 1)
+  {
+    Worker& w = W();
+    w.stats = Stats{};
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < num_blocks; ++i) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      w.block_idx = make_uint3(unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (int64_t(grid.x) * grid.y)));
+      w.rng = block_seed(launch, uint64_t(i));
+      ++w.stats.blocks;
+      try {
+        run_block(static_cast<int>(threads));
+      } catch (const std::exception& ex) {
+        std::lock_guard<std::mutex> guard(error_mutex);
+        if (i < first_failure) first_failure = i, message = ex.what();
+        failed = true;
       }
     }
-  } catch (const std::exception& ex) {
-    if (e.last_error == cudaSuccess) {
-      e.last_error = cudaErrorLaunchFailure;
-      e.last_message = std::string("emu: kernel failed: ") + ex.what();
-    }
+#pragma omp critical(emu_stats)
+    add_stats(e.stats, w.stats);
+  }
+  if (failed && e.last_error == cudaSuccess) {
+    e.last_error = cudaErrorLaunchFailure;
+    e.last_message = "emu: kernel failed: " + message;
   }
 }
 
 void set_seed(uint64_t seed, bool random_order) {
-  E().rng = seed * 0x9E3779B97F4A7C15ull + 1;  // never 0: xorshift's fixed point
+  E().seed = seed;
   E().random_order = random_order;
 }
 void set_num_sms(int n) { E().num_sms = n; }
@@ -359,8 +400,8 @@ Stats stats() { return E().stats; }
 // The fiber's first frame: run the kernel body, then hand back to the scheduler for good.
 extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(emu::detail::Fiber* f) {
   using namespace emu::detail;
-  Emulator& e = E();
-  Block& b = *e.current;
+  const Emulator& e = E();
+  Block& b = *W().current;
 #ifdef EMU_ASAN
   // The first thread of a block starts from the scheduler's stack: remember its bounds.
   const void* from_bottom = nullptr;
