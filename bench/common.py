@@ -2,6 +2,7 @@
 import json
 import os
 import platform
+import random
 import time
 from pathlib import Path
 
@@ -54,3 +55,15 @@ def print_table(rows, columns):
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def random_prompt(tokenizer, length: int, seed: int) -> list[int]:
+    """length ordinary token ids (no special tokens), as llama-batched-bench's random prompt."""
+    special = set(tokenizer.all_special_ids)
+    rng = random.Random(seed)
+    ids = []
+    while len(ids) < length:
+        t = rng.randrange(len(tokenizer))
+        if t not in special:
+            ids.append(t)
+    return ids

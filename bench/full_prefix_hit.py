@@ -28,7 +28,7 @@ def last_block_recomputed(self, seq):
 def run(llm, rule, npl, pp, tg, rng) -> float:
     BlockManager._match_prefix = FULL_HIT if rule == "full_hit" else last_block_recomputed
     try:
-        prompt = [rng.randrange(100, llm.tokenizer.vocab_size) for _ in range(pp)]
+        prompt = common.random_prompt(llm.tokenizer, pp, rng.randrange(1 << 30))
         return run_kvpage(llm, Workload([list(prompt) for _ in range(npl)], [tg] * npl))["output_tok_s"]
     finally:
         BlockManager._match_prefix = FULL_HIT

@@ -20,32 +20,19 @@ over minutes); every round and npl has its own prompt, so nothing carries over i
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, print_table, write_json  # noqa: E402
+from common import machine_info, print_table, random_prompt, write_json  # noqa: E402
 from peers.llamacpp_launcher import f32_model, run_batched_bench  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, run_kvpage  # noqa: E402
 
 ROUNDS = 3
-
-
-def random_prompt(tokenizer, length: int, seed: int) -> list[int]:
-    """length ordinary token ids (no special tokens), as llama-batched-bench's random prompt."""
-    special = set(tokenizer.all_special_ids)
-    rng = random.Random(seed)
-    ids = []
-    while len(ids) < length:
-        t = rng.randrange(len(tokenizer))
-        if t not in special:
-            ids.append(t)
-    return ids
 
 
 def output_tok_s(row: dict) -> float:

@@ -271,8 +271,8 @@ class BlockManager:
         # Only the last token of a full hit lands in an indexed block: its K/V are there already,
         # and an indexed block is never written (others may be reading it), so it maps to -1.
         if cache is not None and end > start and cache.contains_block(seq.block_table[start // self.block_size]):
-            slots[:] = [-1 if cache.contains_block(seq.block_table[p // self.block_size]) else slot
-                        for p, slot in zip(range(start, end), slots)]
+            slots = [-1 if cache.contains_block(seq.block_table[p // self.block_size]) else slot
+                     for p, slot in zip(range(start, end), slots)]
         return slots
 
     # -- prefix cache --------------------------------------------------------------------------

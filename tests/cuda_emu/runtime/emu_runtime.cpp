@@ -7,8 +7,6 @@
 
 #include <sys/mman.h>
 
-#include <omp.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
