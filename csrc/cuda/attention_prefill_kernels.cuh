@@ -157,15 +157,16 @@ __global__ void __launch_bounds__(kPrefillThreads)
   };
 
   // fp8: the codes of staging buffer `buf` as exact T values in the mma tile, K and V rows alike
-  // (masked chunks were zero-filled by cp.async and stay zeros).
+  // (masked chunks were zero-filled by cp.async and stay zeros). Each thread turns 8 codes into
+  // one 16-byte chunk, so a warp's reads and its writes both cover consecutive addresses (16-code
+  // units, written as two chunks 32 bytes apart, made 2-way bank conflicts).
   auto convert_kv = [&](int buf) {
+    constexpr int kUnitsPerRow = HEAD / 8;
     const Cache* src = stage + buf * 2 * kBlockN * kStageStride;
-    for (int idx = tid; idx < 2 * kBlockN * kCacheCpr; idx += kPrefillThreads) {
-      const int r = idx / kCacheCpr, c = idx % kCacheCpr;
-      uint4 values[2];
-      fp8x16_to<T>(*reinterpret_cast<const uint4*>(src + r * kStageStride + c * kCacheVec), values);
-      uint4* dst = reinterpret_cast<uint4*>(kv_s + r * kStride + c * kCacheVec);
-      dst[0] = values[0], dst[1] = values[1];
+    for (int idx = tid; idx < 2 * kBlockN * kUnitsPerRow; idx += kPrefillThreads) {
+      const int r = idx / kUnitsPerRow, c = idx % kUnitsPerRow;
+      const uint2 codes = *reinterpret_cast<const uint2*>(src + r * kStageStride + c * 8);
+      *reinterpret_cast<uint4*>(kv_s + r * kStride + c * 8) = fp8x8_to<T>(codes);
     }
   };
 

@@ -98,13 +98,11 @@ __device__ __forceinline__ uint32_t fp8x2_to<__nv_bfloat16>(uint32_t pair) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// Sixteen e4m3 codes (one 16-byte chunk) as sixteen exact T values in two 16-byte chunks.
+// Eight e4m3 codes (8 bytes) as eight exact T values (one 16-byte chunk).
 template <typename T>
-__device__ __forceinline__ void fp8x16_to(const uint4& codes, uint4* out) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(&codes);
-  uint32_t* r = reinterpret_cast<uint32_t*>(out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r[2 * i] = fp8x2_to<T>(w[i]), r[2 * i + 1] = fp8x2_to<T>(w[i] >> 16);
+__device__ __forceinline__ uint4 fp8x8_to(const uint2& codes) {
+  return make_uint4(fp8x2_to<T>(codes.x), fp8x2_to<T>(codes.x >> 16), fp8x2_to<T>(codes.y),
+                    fp8x2_to<T>(codes.y >> 16));
 }
 
 // A loaded vector V (uint4: 16 bytes, uint2: 8 bytes) of T elements as sizeof(V) / sizeof(T) floats.
