@@ -133,10 +133,13 @@ void softmax_step(const RowSet& rs, int64_t chunk, int64_t n, int64_t d, Scratch
   }
 }
 
-// Attends every row to tokens [begin, end) of one KV head. begin is block aligned.
-void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+// Attends every row to tokens [begin, end) of one KV head. begin is block aligned. kD is the head
+// size when it is one of the common ones (0: a.head_size), so the inlined microkernels unroll fully
+// and keep their accumulators in registers.
+template <int kD>
+void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
   const AttentionArgs& a = kv.a;
-  const int64_t d = a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
+  const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
   for (int64_t r = 0; r < rs.rows; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
   std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
   for (int64_t c0 = begin; c0 < end; c0 += chunk) {
@@ -161,6 +164,14 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
       block_values(s.acc, rs.rows, d, s.score + t0, chunk, v, nb);
     }
+  }
+}
+
+void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+  switch (kv.a.head_size) {
+    case 64: return attend_d<64>(kv, rs, begin, end, s);
+    case 128: return attend_d<128>(kv, rs, begin, end, s);
+    default: return attend_d<0>(kv, rs, begin, end, s);
   }
 }
 

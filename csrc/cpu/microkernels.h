@@ -10,6 +10,9 @@
 // Other builds get plain loops the compiler vectorises. Included inside the ISA namespace, after vec.h.
 #pragma once
 
+// The microkernels are inlined into attend_d, whose head size is often a constant.
+#define KVPAGE_KERNEL_INLINE inline __attribute__((always_inline))
+
 #if defined(KVPAGE_VEC_AVX2)
 
 inline float hsum(__m256 v) {
@@ -54,7 +57,8 @@ struct Lanes16 {
 // R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs (head_size a multiple of
 // the width).
 template <typename L, int R>
-inline void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_stride) {
+KVPAGE_KERNEL_INLINE
+void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_stride) {
   typename L::V a[R][4];
   for (auto& row : a)
     for (auto& x : row) x = L::zero();
@@ -71,14 +75,16 @@ inline void scores_rx4(const float* q, const float* k, int64_t d, float* s, int6
 }
 
 template <typename L>
-inline float score_1x1(const float* q, const float* k, int64_t d) {
+KVPAGE_KERNEL_INLINE
+float score_1x1(const float* q, const float* k, int64_t d) {
   typename L::V a = L::zero();
   for (int64_t i = 0; i < d; i += L::kWidth) a = L::fma(L::load(q + i), L::load(k + i), a);
   return hsum(L::fold(a));
 }
 
 template <typename L, int R>
-inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
+KVPAGE_KERNEL_INLINE
+void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) scores_rx4<L, R>(q, k + t * d, d, s + t, s_stride);
   for (; t < n; ++t)
@@ -88,7 +94,8 @@ inline void scores_rows(const float* q, const float* k, int64_t n, int64_t d, fl
 // Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. With 8 lanes,
 // three-row blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16
 // registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
-inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
+KVPAGE_KERNEL_INLINE
+void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                          int64_t s_stride) {
   int64_t r = 0;
 #if defined(__AVX512F__)
@@ -102,7 +109,8 @@ inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n
 
 // acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers.
 template <typename L, int R, int N>
-inline void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n,
+KVPAGE_KERNEL_INLINE
+void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n,
                         int64_t i) {
   constexpr int W = L::kWidth;
   typename L::V a[R][N];
@@ -121,7 +129,8 @@ inline void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride,
 }
 
 template <typename L, int R>
-inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n) {
+KVPAGE_KERNEL_INLINE
+void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n) {
   constexpr int W = L::kWidth;
   int64_t i = 0;
   for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, v, n, i);
@@ -129,7 +138,8 @@ inline void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride,
   for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, v, n, i);
 }
 
-inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
+KVPAGE_KERNEL_INLINE
+void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   int64_t r = 0;
 #if defined(__AVX512F__)
@@ -200,7 +210,8 @@ inline float exp_and_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
-inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
+KVPAGE_KERNEL_INLINE
+void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                          int64_t s_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < n; ++t) {
@@ -212,7 +223,8 @@ inline void block_scores(const float* q, int64_t rows, const float* k, int64_t n
   }
 }
 
-inline void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
+KVPAGE_KERNEL_INLINE
+void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
                          int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < n; ++t) {
