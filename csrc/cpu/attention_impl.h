@@ -33,6 +33,7 @@ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #include "gemm_impl.h"
+#include "attention_wide.h"
 
 int64_t element_size(DType t) { return t == DType::kFloat ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
 
@@ -42,28 +43,33 @@ int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 128); }
 
 struct Scratch {
   float* q;      // [rows, head_size], pre-scaled
+  float* qT;     // [head_size, rp]: q transposed for the wide path (attention_wide.h)
   float* acc;    // [rows, head_size]
-  float* m;      // [rows] running max
-  float* l;      // [rows] running sum of exp
-  float* score;  // [rows, chunk]
+  float* m;      // [rp] running max
+  float* l;      // [rp] running sum of exp
+  float* score;  // [rows, chunk], or [chunk, rp] on the wide path
   float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit and fp8 caches
   float* vbuf;   // [chunk, head_size]
 };
 
+// Rows rounded up to whole 8-lane vectors: the wide path's row padding.
+int64_t round_up_rows(int64_t rows) { return (rows + 7) / 8 * 8; }
+
 int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
-  const int64_t d = a.head_size, c = chunk_tokens(a);
-  return 2 * rows * d + 2 * rows + rows * c + 2 * c * d + 16;
+  const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
+  return 3 * rp * d + 2 * rp + rp * c + 2 * c * d + 16;
 }
 
 Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
-  const int64_t d = a.head_size, c = chunk_tokens(a);
+  const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
   Scratch s;
   s.q = base;
-  s.acc = s.q + rows * d;
-  s.m = s.acc + rows * d;
-  s.l = s.m + rows;
-  s.score = s.l + rows;
-  s.kbuf = s.score + rows * c;
+  s.qT = s.q + rp * d;
+  s.acc = s.qT + rp * d;
+  s.m = s.acc + rp * d;
+  s.l = s.m + rp;
+  s.score = s.l + rp;
+  s.kbuf = s.score + rp * c;
   s.vbuf = s.kbuf + c * d;
   return s;
 }
@@ -162,16 +168,56 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
       if (t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
         kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
-      block_values(s.acc, rs.rows, d, s.score + t0, chunk, v, nb);
+      block_values(s.acc, rs.rows, d, s.score + t0, chunk, 1, v, nb);
     }
   }
 }
 
+#if defined(KVPAGE_WIDE_ATTENTION)
+// attend_d with the rows across the lanes (attention_wide.h): same chunks, prefetches and masks.
+template <int kD>
+void attend_wide(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+  const AttentionArgs& a = kv.a;
+  const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
+  const int64_t rp = round_up_rows(rs.rows);
+  transpose_queries(s.q, rs.rows, d, s.qT, rp);
+  for (int64_t r = 0; r < rp; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
+  std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
+  for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+    const int64_t n = imin(chunk, end - c0);
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
+      if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
+      kv.prefetch(a.value_cache, pos0 / bs, nb);
+      const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
+      wide_scores(s.qT, rp, k, nb, d, s.score + t0 * rp);
+      wide_mask(rs.rows, rs.group, rs.first_pos, pos0, nb, s.score + t0 * rp, rp);
+    }
+    wide_softmax(rs.rows, rp, n, d, s.score, s.m, s.l, s.acc);
+    const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t nb = imin(bs, n - t0);
+      if (t0 < next_chunk_tokens) kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
+      const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
+      block_values(s.acc, rs.rows, d, s.score + t0 * rp, 1, rp, v, nb);
+    }
+  }
+}
+#endif
+
+template <int kD>
+void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+#if defined(KVPAGE_WIDE_ATTENTION)
+  if (rs.rows >= kWideRows) return attend_wide<kD>(kv, rs, begin, end, s);
+#endif
+  attend_d<kD>(kv, rs, begin, end, s);
+}
+
 void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
   switch (kv.a.head_size) {
-    case 64: return attend_d<64>(kv, rs, begin, end, s);
-    case 128: return attend_d<128>(kv, rs, begin, end, s);
-    default: return attend_d<0>(kv, rs, begin, end, s);
+    case 64: return attend_rows<64>(kv, rs, begin, end, s);
+    case 128: return attend_rows<128>(kv, rs, begin, end, s);
+    default: return attend_rows<0>(kv, rs, begin, end, s);
   }
 }
 

@@ -107,18 +107,19 @@ void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64
   if (r < rows) scores_rows<Lanes8, 1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
 
-// acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers.
+// acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers;
+// p[r][t] sits at p[r * p_stride + t * t_stride] (scores by row, or attention_wide.h's by token).
 template <typename L, int R, int N>
 KVPAGE_KERNEL_INLINE
-void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n,
-                        int64_t i) {
+void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
+                 const float* v, int64_t n, int64_t i) {
   constexpr int W = L::kWidth;
   typename L::V a[R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) a[r][j] = L::load(acc + r * d + i + W * j);
   for (int64_t t = 0; t < n; ++t) {
     typename L::V w[R];
-    for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t]);
+    for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t * t_stride]);
     for (int j = 0; j < N; ++j) {
       const typename L::V x = L::load(v + t * d + i + W * j);
       for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
@@ -130,25 +131,26 @@ void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, const 
 
 template <typename L, int R>
 KVPAGE_KERNEL_INLINE
-void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v, int64_t n) {
+void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride, const float* v,
+                 int64_t n) {
   constexpr int W = L::kWidth;
   int64_t i = 0;
-  for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, v, n, i);
-  for (; i + 2 * W <= d; i += 2 * W) values_tile<L, R, 2>(acc, d, p, p_stride, v, n, i);
-  for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, v, n, i);
+  for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, t_stride, v, n, i);
+  for (; i + 2 * W <= d; i += 2 * W) values_tile<L, R, 2>(acc, d, p, p_stride, t_stride, v, n, i);
+  for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, t_stride, v, n, i);
 }
 
 KVPAGE_KERNEL_INLINE
-void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
-                         int64_t n) {
+void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
+                  const float* v, int64_t n) {
   int64_t r = 0;
 #if defined(__AVX512F__)
-  for (; rows - r >= 4; r += 4) values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+  for (; rows - r >= 4; r += 4) values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
 #endif
   for (; rows - r >= 3 && rows - r != 4; r += 3)
-    values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-  for (; rows - r >= 2; r += 2) values_rows<Lanes8, 2>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
-  if (r < rows) values_rows<Lanes8, 1>(acc + r * d, d, p + r * p_stride, p_stride, v, n);
+    values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
+  for (; rows - r >= 2; r += 2) values_rows<Lanes8, 2>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
+  if (r < rows) values_rows<Lanes8, 1>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
 }
 
 // vec.h's exp_nonpositive, eight lanes at a time.
@@ -224,11 +226,11 @@ void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64
 }
 
 KVPAGE_KERNEL_INLINE
-void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, const float* v,
-                         int64_t n) {
+void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
+                  const float* v, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < n; ++t) {
-      const float w = p[r * p_stride + t];
+      const float w = p[r * p_stride + t * t_stride];
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) acc[r * d + i] += w * v[t * d + i];
     }

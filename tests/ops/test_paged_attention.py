@@ -63,6 +63,16 @@ def test_decode_contexts_up_to_several_partitions(cpu_isa, dtype, heads):
     assert_attention_close(split, single)
 
 
+@pytest.mark.parametrize("heads", [(12, 1), (40, 2)], ids=["group12", "group20"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_wide_groups_pad_rows_to_whole_vectors(cpu_isa, dtype, heads):
+    # Groups of 8 or more take the kernel whose lanes are query rows; 12 and 20 leave some padded.
+    seq_lens = [1, 17, 300, 700]
+    args = make_decode(seq_lens, 16, *heads, 64, dtype, num_blocks=50)
+    check_decode(args, partition_size=128)
+    check_decode(args, partition_size=SINGLE_PASS)
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_decode_partition_boundaries(cpu_isa, block_size):
     partition = 64  # every length sits at, just under or just over a multiple of it
