@@ -33,7 +33,6 @@ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #include "gemm_impl.h"
-#include "attention_wide.h"
 
 int64_t element_size(DType t) { return t == DType::kFloat ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
 
@@ -118,36 +117,59 @@ struct RowSet {
   int64_t limit(int64_t r) const { return first_pos + r / group; }
 };
 
-// Rescales the running state to the chunk's max and turns scores into probabilities.
-void softmax_step(const RowSet& rs, int64_t chunk, int64_t n, int64_t d, Scratch& s) {
-  for (int64_t r = 0; r < rs.rows; ++r) {
-    float* sc = s.score + r * chunk;
-    const float mx = row_max(sc, n);
-    const float m_new = mx > s.m[r] ? mx : s.m[r];
-    if (m_new == -INFINITY) {  // nothing visible yet for this row
-      for (int64_t t = 0; t < n; ++t) sc[t] = 0.f;
-      continue;
-    }
-    const float alpha = exp_nonpositive(s.m[r] - m_new);
-    if (alpha != 1.f) {
-      float* ac = s.acc + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) ac[i] *= alpha;
-    }
-    s.l[r] = s.l[r] * alpha + exp_and_sum(sc, n, m_new);
-    s.m[r] = m_new;
-  }
-}
+// Scores by row (score [rows][chunk]): microkernels.h's dot products. The chunk loop (attend_d)
+// calls a layout's start once, then per chunk scores and mask per block, softmax, values per block.
+struct RowScores {
+  static void start(const RowSet&, int64_t, Scratch&) {}
 
-// Attends every row to tokens [begin, end) of one KV head. begin is block aligned. kD is the head
-// size when it is one of the common ones (0: a.head_size), so the inlined microkernels unroll fully
-// and keep their accumulators in registers.
-template <int kD>
+  static void scores(const RowSet& rs, int64_t d, int64_t chunk, const float* k, int64_t t0, int64_t nb,
+                     int64_t pos0, Scratch& s) {
+    block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
+    for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
+      float* sc = s.score + r * chunk + t0;
+      for (int64_t t = imax(0, rs.limit(r) - pos0 + 1); t < nb; ++t) sc[t] = -INFINITY;
+    }
+  }
+
+  // Rescales the running state to the chunk's max and turns scores into probabilities.
+  static void softmax(const RowSet& rs, int64_t d, int64_t chunk, int64_t n, Scratch& s) {
+    for (int64_t r = 0; r < rs.rows; ++r) {
+      float* sc = s.score + r * chunk;
+      const float mx = row_max(sc, n);
+      const float m_new = mx > s.m[r] ? mx : s.m[r];
+      if (m_new == -INFINITY) {  // nothing visible yet for this row
+        for (int64_t t = 0; t < n; ++t) sc[t] = 0.f;
+        continue;
+      }
+      const float alpha = exp_nonpositive(s.m[r] - m_new);
+      if (alpha != 1.f) {
+        float* ac = s.acc + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ac[i] *= alpha;
+      }
+      s.l[r] = s.l[r] * alpha + exp_and_sum(sc, n, m_new);
+      s.m[r] = m_new;
+    }
+  }
+
+  static void values(const RowSet& rs, int64_t d, int64_t chunk, const float* v, int64_t t0, int64_t nb,
+                     Scratch& s) {
+    block_values(s.acc, rs.rows, d, s.score + t0, chunk, 1, v, nb);
+  }
+};
+
+#include "attention_wide.h"
+
+// Attends every row to tokens [begin, end) of one KV head, a chunk at a time, with scores laid out
+// by Layout. begin is block aligned. kD is the head size when it is one of the common ones (0:
+// a.head_size), so the inlined microkernels unroll fully and keep their accumulators in registers.
+template <int kD, typename Layout>
 void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
   const AttentionArgs& a = kv.a;
   const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
-  for (int64_t r = 0; r < rs.rows; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
+  for (int64_t r = 0; r < round_up_rows(rs.rows); ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
   std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
+  Layout::start(rs, d, s);
   for (int64_t c0 = begin; c0 < end; c0 += chunk) {
     const int64_t n = imin(chunk, end - c0);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
@@ -155,62 +177,26 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
       if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
       kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
       const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
-      block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
-      for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
-        float* sc = s.score + r * chunk + t0;
-        for (int64_t t = imax(0, rs.limit(r) - pos0 + 1); t < nb; ++t) sc[t] = -INFINITY;
-      }
+      Layout::scores(rs, d, chunk, k, t0, nb, pos0, s);
     }
-    softmax_step(rs, chunk, n, d, s);
+    Layout::softmax(rs, d, chunk, n, s);
     const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0);
       if (t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
         kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
-      block_values(s.acc, rs.rows, d, s.score + t0, chunk, 1, v, nb);
+      Layout::values(rs, d, chunk, v, t0, nb, s);
     }
   }
 }
-
-#if defined(KVPAGE_WIDE_ATTENTION)
-// attend_d with the rows across the lanes (attention_wide.h): same chunks, prefetches and masks.
-template <int kD>
-void attend_wide(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
-  const AttentionArgs& a = kv.a;
-  const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
-  const int64_t rp = round_up_rows(rs.rows);
-  transpose_queries(s.q, rs.rows, d, s.qT, rp);
-  for (int64_t r = 0; r < rp; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
-  std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
-  for (int64_t c0 = begin; c0 < end; c0 += chunk) {
-    const int64_t n = imin(chunk, end - c0);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
-      if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
-      kv.prefetch(a.value_cache, pos0 / bs, nb);
-      const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
-      wide_scores(s.qT, rp, k, nb, d, s.score + t0 * rp);
-      wide_mask(rs.rows, rs.group, rs.first_pos, pos0, nb, s.score + t0 * rp, rp);
-    }
-    wide_softmax(rs.rows, rp, n, d, s.score, s.m, s.l, s.acc);
-    const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const int64_t nb = imin(bs, n - t0);
-      if (t0 < next_chunk_tokens) kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
-      const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
-      block_values(s.acc, rs.rows, d, s.score + t0 * rp, 1, rp, v, nb);
-    }
-  }
-}
-#endif
 
 template <int kD>
 void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
 #if defined(KVPAGE_WIDE_ATTENTION)
-  if (rs.rows >= kWideRows) return attend_wide<kD>(kv, rs, begin, end, s);
+  if (rs.rows >= kWideRows) return attend_d<kD, WideScores>(kv, rs, begin, end, s);
 #endif
-  attend_d<kD>(kv, rs, begin, end, s);
+  attend_d<kD, RowScores>(kv, rs, begin, end, s);
 }
 
 void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {

@@ -4,7 +4,7 @@
 // elements, and the scores land by token (scoreT [token][rp]) without a horizontal sum; row-by-row
 // dot products (microkernels.h) spend about a third of their time in those sums. The online softmax
 // then runs eight rows per vector too. Values reuse block_values, reading p by token.
-// Included by attention_impl.h inside the ISA namespace, after microkernels.h.
+// Included by attention_impl.h inside the ISA namespace, after RowScores, the layout it mirrors.
 #pragma once
 
 #if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
@@ -112,5 +112,29 @@ inline void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* 
     }
   }
 }
+
+// The wide layout for attend_d: score [chunk][rp], m and l [rp].
+struct WideScores {
+  static void start(const RowSet& rs, int64_t d, Scratch& s) {
+    transpose_queries(s.q, rs.rows, d, s.qT, round_up_rows(rs.rows));
+  }
+
+  static void scores(const RowSet& rs, int64_t d, int64_t, const float* k, int64_t t0, int64_t nb,
+                     int64_t pos0, Scratch& s) {
+    const int64_t rp = round_up_rows(rs.rows);
+    wide_scores(s.qT, rp, k, nb, d, s.score + t0 * rp);
+    wide_mask(rs.rows, rs.group, rs.first_pos, pos0, nb, s.score + t0 * rp, rp);
+  }
+
+  static void softmax(const RowSet& rs, int64_t d, int64_t, int64_t n, Scratch& s) {
+    wide_softmax(rs.rows, round_up_rows(rs.rows), n, d, s.score, s.m, s.l, s.acc);
+  }
+
+  static void values(const RowSet& rs, int64_t d, int64_t, const float* v, int64_t t0, int64_t nb,
+                     Scratch& s) {
+    const int64_t rp = round_up_rows(rs.rows);
+    block_values(s.acc, rs.rows, d, s.score + t0 * rp, 1, rp, v, nb);
+  }
+};
 
 #endif
