@@ -7,7 +7,8 @@
 // rows x 64 lanes of output, so a Llama-3 GQA group of 4 (and prefill's many rows) reads each K/V
 // vector once per 4 rows; the 1-3 rows left (SmolLM2's group of 3) keep 8 lanes, as fast there
 // (bench/attention_isa.py: 4-row blocks 1.15-1.28x Llama-3-8B decode, 1.17-1.30x prefill).
-// Other builds get plain loops the compiler vectorises. Included inside the ISA namespace, after vec.h.
+// Other builds get plain loops the compiler vectorises. AVX2 builds score sets of 8 or more rows
+// with attention_wide.h instead (rows across the lanes). Included inside the ISA namespace, after vec.h.
 #pragma once
 
 // The microkernels are inlined into attend_d, whose head size is often a constant.
