@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <algorithm>
 #include <cmath>
@@ -14,6 +15,28 @@ bool is_supported_float(at::ScalarType t) {
 
 bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
+// The bytes [lo, hi) a tensor's elements span; an empty tensor spans nothing.
+struct ByteSpan {
+  uintptr_t lo = 0, hi = 0;
+};
+
+ByteSpan byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  int64_t low = 0, high = 0;  // element offsets of the extreme elements from the first one
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? low : high) += reach;
+  }
+  const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const int64_t size = t.element_size();
+  return {first + low * size, first + (high + 1) * size};
+}
+
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type();
+}
+
 // What a cache of cache_dtype accepts as query / key / value: a compute dtype, the cache's own
 // unless the cache is fp8 (quantised on write, dequantised on read). fp8 itself never computes.
 bool matches_cache(at::ScalarType t, at::ScalarType cache_dtype) {
@@ -21,6 +44,23 @@ bool matches_cache(at::ScalarType t, at::ScalarType cache_dtype) {
 }
 
 }  // namespace
+
+bool memory_overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device()) return false;
+  const ByteSpan x = byte_span(a), y = byte_span(b);
+  return x.lo < x.hi && y.lo < y.hi && x.lo < y.hi && y.lo < x.hi;
+}
+
+void check_disjoint(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  TORCH_CHECK_VALUE(!memory_overlaps(a, b), a_name, " and ", b_name, " share memory; they must not overlap");
+}
+
+void check_output(const at::Tensor& out, const at::Tensor& input, const char* input_name) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes,
+                    "out has elements that share memory (an expanded or stride-0 tensor); it must not");
+  TORCH_CHECK_VALUE(same_view(out, input) || !memory_overlaps(out, input), "out partly overlaps ", input_name,
+                    "; pass out=", input_name, " itself or a tensor of its own");
+}
 
 CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK_VALUE(key_cache.dim() == 4,
@@ -70,6 +110,7 @@ int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheS
                    " differs from query dtype ", query.scalar_type());
   TORCH_CHECK_VALUE(out.device() == query.device(), "out must be on the same device as query");
   TORCH_CHECK_VALUE(out.stride(2) == 1, "out must be contiguous in its last dimension");
+  check_output(out, query, "query");
   return num_heads / cache.num_kv_heads;
 }
 
@@ -103,6 +144,10 @@ CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
   TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ",
                     block_tables.size(0), " rows but seq_lens has ", seq_lens.size(0), " entries");
+  check_disjoint(out, "out", key_cache, "key_cache");
+  check_disjoint(out, "out", value_cache, "value_cache");
+  check_disjoint(out, "out", block_tables, "block_tables");
+  check_disjoint(out, "out", seq_lens, "seq_lens");
   return cache;
 }
 
@@ -144,6 +189,11 @@ CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, con
   check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache);
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
                     " entries for ", key.size(0), " tokens");
+  check_disjoint(key_cache, "key_cache", value_cache, "value_cache");
+  for (const auto& [input, name] : {std::pair<const at::Tensor&, const char*>{key, "key"}, {value, "value"}}) {
+    check_disjoint(input, name, key_cache, "key_cache");
+    check_disjoint(input, name, value_cache, "value_cache");
+  }
   if (check_ranges) check_slot_mapping_range(slot_mapping, cache);
   return cache;
 }
@@ -157,6 +207,8 @@ int64_t check_layer_caches(at::TensorList key_caches, at::TensorList value_cache
                           key_caches[i].scalar_type() == key_caches[0].scalar_type() &&
                           key_caches[i].device() == key_caches[0].device(),
                       "key_caches[", i, "] differs from key_caches[0] in shape, dtype or device");
+    TORCH_CHECK_VALUE(!memory_overlaps(key_caches[i], value_caches[i]), "key_caches[", i, "] and value_caches[",
+                      i, "] share memory; they must not overlap");
   }
   return key_caches.empty() ? 0 : key_caches[0].size(0);
 }
@@ -178,6 +230,10 @@ std::pair<int64_t, int64_t> check_swap_pairs(at::TensorList src, at::TensorList 
     src_blocks = std::min(src_blocks, src[i].size(0));
     dst_blocks = std::min(dst_blocks, dst[i].size(0));
   }
+  for (size_t i = 0; i < src.size(); ++i)  // one pass reads src while writing dst
+    for (size_t j = 0; j < dst.size(); ++j)
+      TORCH_CHECK_VALUE(!memory_overlaps(src[i], dst[j]), "src[", i, "] and dst[", j,
+                        "] share memory; they must not overlap");
   return {src_blocks, dst_blocks};
 }
 

@@ -14,6 +14,12 @@ inline bool is_fp8_cache(at::ScalarType t) { return t == at::kFloat8_e4m3fn; }
 // k_scale / v_scale: finite and positive; anything but 1.0 only for an fp8 cache.
 void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache);
 
+// Whether two tensors' element byte ranges intersect (same device); out must not partly overlap its
+// input (out = input itself is fine), nor hold elements that share memory.
+bool memory_overlaps(const at::Tensor& a, const at::Tensor& b);
+void check_disjoint(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
+void check_output(const at::Tensor& out, const at::Tensor& input, const char* input_name);
+
 struct CacheShape {
   int64_t num_blocks, num_kv_heads, block_size, head_size;
 };

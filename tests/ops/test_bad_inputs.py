@@ -124,6 +124,16 @@ ATTENTION_ERRORS = [
     case("block-tables-list", TypeError, "block_tables", block_tables=[[0, 1, 2], [3, 3, 5]]),
     case("seq-lens-list", TypeError, "seq_lens", seq_lens=[40, 17]),
     case("out-list", TypeError, "out", out=[0.0]),
+    case("scale-nan", ValueError, "scale", scale=float("nan")),
+    case("scale-inf", ValueError, "scale", scale=float("-inf")),
+    case("scale-beyond-float32", ValueError, "scale", scale=1e300),
+    case("scale-beyond-float", ValueError, "scale", scale=2**1100),
+    case("out-expanded", ValueError, "out has elements that share memory",
+         out=lambda a: torch.empty_like(a["query"][:1]).expand_as(a["query"])),
+    case("out-inside-key-cache", ValueError, "out and key_cache share memory",
+         out=lambda a: a["key_cache"].view(-1)[: a["query"].numel()].view(a["query"].shape)),
+    case("out-inside-value-cache", ValueError, "out and value_cache share memory",
+         out=lambda a: a["value_cache"].view(-1)[: a["query"].numel()].view(a["query"].shape)),
 ]
 
 DECODE_ERRORS = ATTENTION_ERRORS + [
@@ -197,6 +207,12 @@ RESHAPE_AND_CACHE_ERRORS = [
     case("slot-below-minus-one", ValueError, r"slot_mapping\[3\] = -2", slot_mapping=torch.tensor([0, 17, -1, -2])),
     case("slot-mapping-list", TypeError, "slot_mapping", slot_mapping=[0, 17, -1, 95]),
     case("key-not-a-tensor", TypeError, "key", key=lambda a: a["key"].tolist()),
+    case("value-cache-is-key-cache", ValueError, "key_cache and value_cache share memory",
+         value_cache=lambda a: a["key_cache"]),
+    case("key-inside-key-cache", ValueError, "key and key_cache share memory",
+         key=lambda a: a["key_cache"].view(-1)[: a["key"].numel()].view(a["key"].shape)),
+    case("value-inside-value-cache", ValueError, "value and value_cache share memory",
+         value=lambda a: a["value_cache"].view(-1)[: a["value"].numel()].view(a["value"].shape)),
 ]
 
 
@@ -228,6 +244,11 @@ BLOCK_MAPPING_ERRORS = [
     case("block-mapping-triples", ValueError, "block_mapping must be", block_mapping=mapping([0, 1, 2])),
     case("block-mapping-1d", ValueError, "block_mapping must be", block_mapping=torch.tensor([0, 1])),
     case("block-mapping-not-a-sequence", TypeError, "block_mapping", block_mapping=5),
+    case("float-block-ids-in-list", TypeError, r"block_mapping\[1\] holds 2.5", block_mapping=[[0, 1], [2.5, 3]]),
+    case("bool-block-ids-in-list", TypeError, r"block_mapping\[1\] holds True", block_mapping=[[0, 1], [True, 3]]),
+    case("ragged-list", ValueError, r"block_mapping\[1\] must be a \(src, dst\) pair", block_mapping=[[0, 1], [2]]),
+    case("str-block-ids-in-list", TypeError, r"block_mapping\[0\] holds str", block_mapping=[["0", "1"]]),
+    case("block-mapping-str", TypeError, "block_mapping", block_mapping="01"),
 ]
 
 COPY_BLOCKS_ERRORS = BLOCK_MAPPING_ERRORS + [
@@ -241,6 +262,8 @@ COPY_BLOCKS_ERRORS = BLOCK_MAPPING_ERRORS + [
          value_caches=lambda a: [v.int() for v in a["value_caches"]]),
     case("layer-not-a-tensor", TypeError, r"key_caches\[1\]", key_caches=lambda a: [a["key_caches"][0], "x"]),
     case("key-caches-not-a-list", TypeError, "key_caches", key_caches=5),
+    case("value-caches-are-key-caches", ValueError, r"key_caches\[0\] and value_caches\[0\] share memory",
+         value_caches=lambda a: a["key_caches"]),
 ]
 
 
@@ -262,6 +285,9 @@ SWAP_BLOCKS_ERRORS = BLOCK_MAPPING_ERRORS + [
     case("src-1d", ValueError, r"src\[0\]", src=lambda a: [t.flatten() for t in a["src"]],
          dst=lambda a: [t.flatten() for t in a["dst"]]),
     case("src-not-a-tensor", TypeError, "src", src=3.0),
+    case("dst-is-src", ValueError, r"src\[0\] and dst\[0\] share memory", dst=lambda a: a["src"]),
+    case("dst-crosses-src", ValueError, r"src\[1\] and dst\[0\] share memory",
+         dst=lambda a: [a["src"][1], a["dst"][1]]),
 ]
 
 
@@ -278,6 +304,33 @@ def op_cases(op, make_args, cases):
 def test_bad_input_is_rejected(op, make_args, changes, error, match):
     args = with_changes(make_args(), changes)
     assert_rejected(op, args, error, match, list(args.values()))
+
+
+# -- aliasing ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op, make_args", [(ops.paged_attention, decode_args),
+                                           (ops.paged_prefill_attention, prefill_args)], ids=["decode", "prefill"])
+def test_out_may_be_query_itself_but_not_overlap_it_partly(op, make_args):
+    args = make_args()
+    expected = op(**args)
+    buffer = torch.cat([args["query"].flatten(), torch.zeros(64)])
+    shape = args["query"].shape
+    query, shifted_out = buffer[64:].view(shape), buffer[:-64].view(shape)
+    assert_rejected(op, {**args, "query": query, "out": shifted_out}, ValueError, "out partly overlaps query",
+                    [args["key_cache"], args["value_cache"], buffer])
+    query = args["query"].clone()
+    assert op(**{**args, "query": query, "out": query}) is query
+    assert_bit_exact(query, expected)
+
+
+def test_meta_tensors_mixed_with_real_ones_are_rejected():
+    # A call with any meta tensor computes nothing: the real dst would silently keep its blocks.
+    args = swap_args()
+    meta_src = [t.to("meta") for t in args["src"]]
+    assert_rejected(ops.swap_blocks, {**args, "src": meta_src}, ValueError, r"src\[0\] is a meta tensor",
+                    args["dst"])
+    ops.swap_blocks(meta_src, [t.to("meta") for t in args["dst"]], args["block_mapping"])  # all meta: fine
 
 
 # -- device mismatch -----------------------------------------------------------------------------------
@@ -357,6 +410,8 @@ def test_cpu_kernel_rejects_tensors_on_another_device(op, make_args, changes, na
     pytest.param(dict(dtype=torch.int32), TypeError, "dtype", id="int-dtype"),
     pytest.param(dict(dtype=torch.float64), TypeError, "dtype", id="float64-dtype"),
     pytest.param(dict(dtype="float32"), TypeError, "dtype", id="str-dtype"),
+    # No CUDA here, or no 100th GPU there: torch's assertion or error, named.
+    pytest.param(dict(device="cuda:99"), RuntimeError, "device 'cuda:99'", id="unavailable-device"),
 ])
 def test_allocate_kv_cache_rejects(kwargs, error, match):
     args = {**dict(num_blocks=4, block_size=16, num_kv_heads=2, head_size=64), **kwargs}

@@ -158,6 +158,9 @@ def test_copy_and_swap_move_fp8_blocks():
     (dict(k_scale=float("nan")), ValueError, "k_scale"),
     (dict(k_scale=True), TypeError, "k_scale"),
     (dict(v_scale="1"), TypeError, "v_scale"),
+    # float32 holds the scale and its reciprocal: zero codes would become NaN, or the output zero.
+    (dict(k_scale=1e-300), ValueError, "k_scale"),
+    (dict(v_scale=1e39), ValueError, "v_scale"),
 ])
 def test_bad_scales_name_the_argument(bad, error, words):
     caches = ops.allocate_kv_cache(2, 16, 1, 64, FP8)

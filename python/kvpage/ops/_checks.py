@@ -1,4 +1,6 @@
 """Argument checks the C++ ops cannot express: Python types and defaults."""
+import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -34,27 +36,60 @@ def tensor_list(x, name):
 
 
 def as_block_mapping(x, name="block_mapping"):
-    """An int64 [n, 2] CPU tensor of (src, dst) from a tensor or a sequence of pairs."""
+    """An int64 [n, 2] CPU tensor of (src, dst) from a tensor or a sequence of pairs of ints."""
     if isinstance(x, torch.Tensor):
         return x
-    if not isinstance(x, Sequence):
-        raise TypeError(f"{name} must be an int64 [n, 2] tensor or a list of (src, dst) pairs")
-    mapping = torch.tensor(list(x), dtype=torch.int64)
-    return mapping.reshape(-1, 2) if mapping.numel() == 0 else mapping
+    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
+        raise TypeError(f"{name} must be an int64 [n, 2] tensor or a list of (src, dst) pairs,"
+                        f" got {type(x).__name__}")
+    pairs = [_block_pair(pair, f"{name}[{i}]") for i, pair in enumerate(x)]
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+def _block_pair(pair, name):
+    if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+        raise ValueError(f"{name} must be a (src, dst) pair of block ids, got {pair!r}")
+    return [_block_id(v, name) for v in pair]
+
+
+def _block_id(v, name):
+    """An integer (Python or numpy, not bool): a float id would be silently truncated."""
+    if isinstance(v, bool) or isinstance(v, float):
+        raise TypeError(f"{name} holds {v!r}: block ids must be ints")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} holds {type(v).__name__} {v!r}: block ids must be ints") from None
+
+
+# Scales the kernels hold in float32, with their reciprocals: both must stay finite and nonzero.
+_FLOAT32_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def _as_float(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is an int beyond float range") from None
 
 
 def kv_scale(value, name):
-    """k_scale / v_scale: a positive finite number (the C++ checks add: 1.0 unless the cache is fp8)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not 0.0 < value < float("inf"):
-        raise ValueError(f"{name} must be a finite positive number, got {value}")
-    return float(value)
+    """k_scale / v_scale: a positive number whose float32 value and reciprocal are finite and nonzero
+    (the C++ checks add: 1.0 unless the cache is fp8)."""
+    value = _as_float(value, name)
+    if not _FLOAT32_RANGE[0] <= value <= _FLOAT32_RANGE[1]:
+        raise ValueError(f"{name} must be a positive number in float32's normal range"
+                         f" [{_FLOAT32_RANGE[0]:.3g}, {_FLOAT32_RANGE[1]:.3g}], got {value}")
+    return value
 
 
 def default_scale(scale, head_size):
+    """The softmax scale: head_size ** -0.5 by default, else any number finite in float32."""
     if scale is None:
         return head_size ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    return float(scale)
+    scale = _as_float(scale, "scale")
+    if not (math.isfinite(scale) and abs(scale) <= _FLOAT32_RANGE[1]):
+        raise ValueError(f"scale must be finite in float32, got {scale}")
+    return scale

@@ -2,8 +2,10 @@
 
 Every op mutates its outputs in place and returns nothing, so the fake kernels (what torch.compile
 traces, and what a call with any 'meta' tensor dispatches to) compute nothing; they only repeat the
-device checks, because such a call never reaches the C++ ones."""
+device checks, because such a call never reaches the C++ ones, and refuse meta tensors mixed with
+real ones (the call would silently leave the real ones untouched)."""
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kvpage import _C  # noqa: F401  (importing registers the ops)
 
@@ -34,6 +36,15 @@ def _tensors(name, value):
     return []
 
 
+def _no_meta_with_real(pairs):
+    """A call mixing meta tensors with real (not fake) ones would do nothing to the real ones."""
+    meta = next((name for name, t in pairs if t.device.type == "meta"), None)
+    real = next((name for name, t in pairs if t.device.type != "meta" and not isinstance(t, FakeTensor)), None)
+    if meta is not None and real is not None:
+        raise ValueError(f"{meta} is a meta tensor but {real} holds data: a kvpage op with meta tensors computes"
+                         f" nothing, so all of its tensors must be meta (or fake)")
+
+
 def _make_fake(op_name):
     arg_names = [a.name for a in getattr(torch.ops.kvpage, op_name).default._schema.arguments]
 
@@ -47,6 +58,7 @@ def _make_fake(op_name):
         mapping = named.get("block_mapping")
         if mapping is not None and mapping.device.type != "cpu":
             raise ValueError("block_mapping must be a CPU tensor")
+        _no_meta_with_real([p for n in arg_names if n != "block_mapping" for p in _tensors(n, named.get(n))])
 
     return fake
 

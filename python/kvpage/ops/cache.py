@@ -30,10 +30,13 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     if dtype not in _checks.CACHE_DTYPES:
         raise TypeError(f"dtype must be one of {_checks.CACHE_DTYPES}, got {dtype}")
     shape = (num_blocks, num_kv_heads, block_size, head_size)
-    device = torch.device(device)
-    if device.type == "cpu":
-        return _huge_page_zeros(shape, dtype), _huge_page_zeros(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        device = torch.device(device)
+        if device.type == "cpu":
+            return _huge_page_zeros(shape, dtype), _huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    except (AssertionError, RuntimeError, TypeError) as e:  # torch says "not compiled with CUDA" by assert
+        raise RuntimeError(f"allocate_kv_cache: cannot allocate on device '{device}': {e}") from e
 
 
 _HUGE_PAGE = 2 << 20
