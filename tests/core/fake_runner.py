@@ -90,6 +90,7 @@ class RunResult:
     num_steps: int = 0
     total_scheduled_tokens: int = 0
     rejected: list[str] = field(default_factory=list)
+    num_failed_steps: int = 0
 
 
 def check_output(scheduler: Scheduler, out: SchedulerOutput) -> None:
@@ -114,11 +115,16 @@ def all_seqs(scheduler: Scheduler):
     return [seq for r in scheduler.requests.values() for seq in r.live_seqs()]
 
 
+class StepFailed(Exception):
+    """A runner's failure, injected by a test."""
+
+
 def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 100_000,
           check_every_step: bool = True, eos: int | None = EOS,
-          allow_rejects: bool = False) -> RunResult:
-    """Feed arrivals at their steps, run until everyone finishes, checking invariants throughout."""
-    runner = FakeRunner(scheduler.bm.block_size)
+          allow_rejects: bool = False, runner: FakeRunner | None = None) -> RunResult:
+    """Feed arrivals at their steps, run until everyone finishes, checking invariants throughout.
+    A step whose runner raises StepFailed is discarded (Scheduler.discard_step) and the run goes on."""
+    runner = runner or FakeRunner(scheduler.bm.block_size)
     pending = sorted(arrivals, key=lambda a: a.step)
     aborts = {a.abort_at: [] for a in arrivals if a.abort_at is not None}
     for a in arrivals:
@@ -141,9 +147,14 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 100_00
             scheduler.abort_request(request_id)
         out = scheduler.schedule()
         check_output(scheduler, out)
-        sampled = runner.execute(out, lambda seq_id: scheduler._seqs[seq_id].token_ids)
-        result.total_scheduled_tokens += out.num_batched_tokens
-        scheduler.update_from_output(out, sampled)
+        try:
+            sampled = runner.execute(out, lambda seq_id: scheduler._seqs[seq_id].token_ids)
+        except StepFailed:
+            assert scheduler.discard_step(out)
+            result.num_failed_steps += 1
+        else:
+            result.total_scheduled_tokens += out.num_batched_tokens
+            scheduler.update_from_output(out, sampled)
         if check_every_step:
             check_block_manager(scheduler.bm, all_seqs(scheduler))
         step += 1

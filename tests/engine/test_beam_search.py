@@ -1,11 +1,15 @@
 """Beam search against HF generate(num_beams=k, do_sample=False), default early_stopping."""
 from __future__ import annotations
 
+import math
+from decimal import Decimal, localcontext
+
 import pytest
 import torch
 
 from engine_helpers import PROMPTS
 from kvpage import SamplingParams
+from kvpage.engine.beam_search import length_normalised
 
 BEAM_PROMPTS = [PROMPTS[1], PROMPTS[4], PROMPTS[13], PROMPTS[9]]
 
@@ -24,4 +28,54 @@ def test_beam_search_matches_hf(llm, hf_model, k, length_penalty):
         for beam, completion in zip(ref[:, ids.shape[1]:].tolist(), out.outputs):
             got = completion.token_ids
             assert beam[:len(got)] == got and all(t == pad for t in beam[len(got):]), (prompt, beam, got)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("length_penalty", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_length_penalty_is_rejected(length_penalty):
+    with pytest.raises(ValueError, match="length_penalty"):
+        SamplingParams(beam_width=2, length_penalty=length_penalty)
+
+
+def _exact_log(logprob: float, length: int, length_penalty: float) -> Decimal:
+    """ln |logprob / length ** length_penalty| in 60-digit decimal arithmetic, free of the float range."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        return Decimal(-logprob).ln() - Decimal(length_penalty) * Decimal(length).ln()
+
+
+@pytest.mark.parametrize("length_penalty", [-1e308, -1100.0, -3.0, 0.0, 0.5, 1.0, 2.0, 1020.0, 2000.0, 1e308])
+def test_the_length_normalised_score_is_exact_where_a_float_holds_it(length_penalty):
+    logprobs = (-1e4, -5.0, -1e-3)
+    for length in (1, 2, 7, 100):
+        scores = [length_normalised(lp, length, length_penalty) for lp in logprobs]
+        assert scores == sorted(scores)  # a higher logprob never scores lower
+        assert length_normalised(-0.0, length, length_penalty) == 0.0
+        for lp, score in zip(logprobs, scores):
+            exact_log = _exact_log(lp, length, length_penalty)
+            if abs(length_penalty * math.log(length)) < 700:  # HF's own arithmetic, to the bit
+                assert score == lp / length ** length_penalty
+            elif exact_log >= 700:  # beyond the float range: saturated, finite, still ordered
+                assert score == -math.exp(700)
+            elif exact_log < -745:  # below the smallest float
+                assert score == 0.0
+            else:
+                assert math.isclose(math.log(-score), float(exact_log), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("length_penalty", [-1e308, -1100.0, 2000.0, 1e308])
+def test_beam_search_runs_with_any_finite_length_penalty(llm, hf_model, length_penalty):
+    outs = llm.generate(BEAM_PROMPTS[:2], SamplingParams(beam_width=3, max_tokens=6, length_penalty=length_penalty),
+                        use_tqdm=False)
+    for prompt, out in zip(BEAM_PROMPTS, outs):
+        assert len(out.outputs) == 3
+        ids = llm.tokenizer.encode(prompt)
+        for c in out.outputs:
+            assert 1 <= len(c.token_ids) <= 6 and c.finish_reason in ("stop", "length")
+            # Each beam is a real continuation: its logprob is what the model gives its tokens.
+            x = torch.tensor([ids + c.token_ids])
+            with torch.inference_mode():
+                logp = hf_model(x).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
+            expected = logp.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).sum().item()
+            assert math.isclose(c.cumulative_logprob, expected, abs_tol=1e-3), (prompt, c)
     assert llm.stats()["kv_blocks_used"] == 0

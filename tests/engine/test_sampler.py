@@ -41,3 +41,14 @@ def test_seeded_rows_ignore_the_rest_of_the_batch_and_logprobs_are_the_models():
     # Fork samples are draws 0, 1, 2 of that row: sample 1 alone gives the same token.
     again = Sampler()(logits[4:5], [SampleRow(seeded, sample_index=1)])
     assert again.tokens[0] == [out.tokens[4][1]]
+
+
+def test_a_vanishing_top_p_or_temperature_keeps_the_most_likely_token():
+    # 1e-46 and 1e-300 pass the (0, 1] check but are 0 in float32; 1e-40 is a float32 subnormal.
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1)) * 4
+    argmax = [[t] for t in logits.argmax(dim=-1).tolist()]
+    for params in (SamplingParams(top_p=1e-46, seed=1), SamplingParams(top_p=1e-300),
+                   SamplingParams(top_p=1e-46, top_k=3, temperature=2.0), SamplingParams(temperature=1e-300, seed=2),
+                   SamplingParams(temperature=1e-40), SamplingParams(temperature=5e-324, top_p=0.5)):
+        out = Sampler(seed=0)(logits, [SampleRow(params)] * 6)
+        assert out.tokens == argmax, params

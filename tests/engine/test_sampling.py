@@ -74,7 +74,9 @@ def test_eos_and_ignore_eos(llm):
 @pytest.mark.parametrize("name,value", [
     ("n", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0),
     ("stop", [""]), ("stop_token_ids", [-1]), ("beam_width", 0), ("seed", "x"), ("ignore_eos", "yes"),
-    ("length_penalty", float("nan")),
+    ("length_penalty", float("nan")), ("length_penalty", float("inf")), ("length_penalty", float("-inf")),
+    ("stop", 123), ("stop", 3.5), ("stop", True), ("stop", object()), ("stop", ["ok", 5]),
+    ("stop_token_ids", 5), ("stop_token_ids", "12"), ("stop_token_ids", [1, True]),
 ])
 def test_bad_sampling_params_name_the_argument(name, value):
     with pytest.raises(ValueError, match=name):
@@ -86,6 +88,31 @@ def test_bad_llm_arguments():
         kvpage.LLM(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         kvpage.LLM(num_kv_blocks=0)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("block_size", 0), ("block_size", -16), ("block_size", "16"), ("block_size", 16.0), ("block_size", True),
+    ("block_size", 24), ("block_size", 512), ("seed", "x"), ("seed", 1.5), ("seed", True), ("seed", 2**64),
+    ("enable_prefix_caching", "no"), ("enable_prefix_caching", 1), ("tokenizer", 42), ("tokenizer", object()),
+    ("tokenizer", "/no/such/tokenizer"), ("preemption_mode", "later"),
+])
+def test_bad_llm_arguments_are_named_before_the_model_loads(monkeypatch, name, value):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvpage.model, "load_model", load_model)
+    with pytest.raises((ValueError, TypeError), match=name):
+        kvpage.LLM(**{name: value})
+
+
+def test_a_tokenizer_directory_and_other_block_sizes_work(llm):
+    from kvpage.model.loader import default_model_dir
+
+    expected = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    for kwargs in ({"tokenizer": str(default_model_dir())}, {"block_size": 1}, {"block_size": 256}):
+        other = kvpage.LLM(model=llm.model, num_kv_blocks=64, **{"tokenizer": llm.tokenizer, **kwargs})
+        got = other.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text) == (expected.token_ids, expected.text), kwargs
 
 
 def test_too_long_prompt_fails_alone(llm):

@@ -261,6 +261,11 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.swapped = False
 
+    def forget_contents(self, block_ids) -> None:
+        """Device blocks a failed step was to fill by swap-in or copy may hold anything: never a prefix hit."""
+        for block_id in block_ids:
+            self.device.uncache(block_id)
+
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset;
         -1 where the cache already holds that position's K/V)."""

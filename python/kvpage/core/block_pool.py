@@ -66,6 +66,16 @@ class BlockPool:
         else:
             self._free.append(block_id)
 
+    def uncache(self, block_id: int) -> None:
+        """Drop a block's prefix-cache entry: it is no hit any more, and once unreferenced it is plain free."""
+        cache = self.cache
+        if cache is None or not cache.contains_block(block_id):
+            return
+        parked = cache.is_evictable(block_id)
+        cache.remove(block_id)
+        if parked:
+            self._free.append(block_id)
+
     def free_blocks(self) -> list[int]:
         """The plain free list (for checks and tests; not on any hot path)."""
         return list(self._free)

@@ -79,6 +79,15 @@ class PrefixCache:
         del self._key_of_block[block_id]
         return block_id
 
+    def remove(self, block_id: int) -> None:
+        """Stop indexing a block whose contents can no longer be trusted (a step that was to fill it failed)."""
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is None:
+            return
+        del self._block_by_hash[block_hash]
+        del self._key_of_block[block_id]
+        self._evictable.pop(block_id, None)
+
     def hash_of(self, block_id: int) -> bytes | None:
         return self._hash_of_block.get(block_id)
 

@@ -7,7 +7,8 @@ Each `schedule()` fills one step's token and sequence budgets in this order:
   4. waiting requests in arrival order (preempted-by-recompute ones at the front), chunked.
 Steps 3 and 4 are skipped in a step that preempted (the memory that just ran out is not there to
 give), and 4 while anything is swapped (swapped requests would starve behind new ones).
-After the runner executes the step, `update_from_output` records what was computed and sampled.
+After the runner executes the step, `update_from_output` records what was computed and sampled; if
+executing it failed instead, `discard_step` forgets it, so the next schedule() can run.
 """
 from __future__ import annotations
 
@@ -356,6 +357,37 @@ class Scheduler:
                     self._finish_request(request)
                     finished.append(request)
         return finished
+
+    def discard_step(self, out: SchedulerOutput) -> bool:
+        """Forget the latest step after executing it failed, so that schedule() may run again.
+
+        The runner may have carried out any part of `out`, or none of it. Its tokens count as not
+        computed and run again later (their slots stay allocated). A request whose KV the step was
+        to move or copy (a swap in or out, a copy-on-write, a prefix hit on a block being swapped in)
+        cannot trust its cache: it goes back to waiting and is recomputed, as after a recompute
+        preemption. Sampled tokens are kept, so a deterministic request ends with the output it would
+        have had without the failure. False (and nothing changes) if `out` is not the pending step.
+        """
+        if out is not self._pending:
+            return False
+        self._pending = None
+        self._finished_ids = out.finished_request_ids + self._finished_ids  # the runner may not have seen them
+        untrusted = {dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy}
+        self.bm.forget_contents(untrusted)
+        victims = [r for r in self.running if any(b in untrusted for seq in r.live_seqs() for b in seq.block_table)]
+        victims += [r for r in self.swapped if r.request_id in out.preempted]  # its host copy may be unwritten
+        # Oldest admitted ends up at the front of the queue, as recompute preemption leaves it.
+        for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
+            self._requeue_for_recompute(request)
+        return True
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        queue = self.running if request.status is RequestStatus.RUNNING else self.swapped
+        queue.remove(request)
+        for seq in request.live_seqs():
+            self.bm.free(seq)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     @staticmethod
     def _sampled_tokens(s: ScheduledSequence, sampled: Mapping[int, int | list[int]]) -> list[int]:

@@ -10,6 +10,7 @@ beam can beat the worst finished one (HF's heuristic), so the output matches HF 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,23 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 _NEG = -1.0e9  # HF's "impossible" score
+# Powers of the length up to e**700 (and down to e**-700) are plain floats; past that, log space.
+_MAX_LOG = 700.0
+
+
+def length_normalised(logprob: float, length: int, length_penalty: float) -> float:
+    """logprob / length ** length_penalty (HF's beam score) for every finite length_penalty.
+
+    Where the power fits a float this is HF's own arithmetic, so beams rank exactly as HF ranks them;
+    where it would overflow (OverflowError) or underflow to 0 (ZeroDivisionError), the quotient is
+    taken in log space and saturates at +-e**700 instead.
+    """
+    log_power = length_penalty * math.log(length)
+    if abs(log_power) < _MAX_LOG:
+        return logprob / length ** length_penalty
+    if logprob == 0.0:
+        return logprob
+    return math.copysign(math.exp(min(math.log(abs(logprob)) - log_power, _MAX_LOG)), logprob)
 
 
 @dataclass
@@ -47,6 +65,8 @@ class _BeamRun:
             raise ValueError(f"beam search of beam_width={self.k} over {self.max_len} tokens needs {need} KV blocks;"
                              f" {self.bm.num_free_blocks} are free (num_kv_blocks)")
         self._next_id = -1  # negative seq ids: never clash with the scheduler's
+        # Sequences that may hold blocks (running beams, children being forked): freed however the run ends.
+        self._holders: list[Sequence] = []
         self.running = [self._new_seq(prompt_ids)]
         self.scores = [0.0]
         self.finished: list[_Hypothesis] = []
@@ -55,6 +75,7 @@ class _BeamRun:
     def _new_seq(self, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_id, list(token_ids))
         self._next_id -= 1
+        self._holders.append(seq)
         return seq
 
     def run(self) -> list[_Hypothesis]:
@@ -69,7 +90,7 @@ class _BeamRun:
                     break
                 logits = self._decode()
         finally:
-            for seq in self.running:
+            for seq in self._holders:
                 self.bm.free(seq)
         return self.finished
 
@@ -122,26 +143,48 @@ class _BeamRun:
             scores.append(masked[j].item())
         for seq in old:
             self.bm.free(seq)
-        self.running, self.scores = new, scores
+        self.running, self.scores, self._holders = new, scores, list(new)
 
     def _update_finished(self, cands, hits, cur_len: int) -> None:
-        penalty = (cur_len + 1 - self.prompt_len) ** self.params.length_penalty
+        """The k best of the finished list and the candidates that end among the first k. HF masks the
+        others (and its list's empty slots) with -1e9 and takes a top-k; leaving them out picks the
+        same beams, and a real hypothesis scoring below -1e9 (a large negative length_penalty) stays."""
+        if not self.unsatisfied:
+            return
+        length = cur_len + 1 - self.prompt_len
         merged = list(self.finished)
-        for j, ((score, beam, tok), hit) in enumerate(zip(cands, hits)):
-            done = hit and j < self.k
-            pen = score / penalty + (0.0 if self.unsatisfied else _NEG) + (0.0 if done else _NEG)
-            tokens = self.running[beam].token_ids[self.prompt_len:] + [tok]
-            merged.append(_Hypothesis(tokens, pen, score if done else _NEG))
-        # HF keeps a fixed-size list padded with -1e9 entries; the same top-k over it picks the same beams.
-        merged += [_Hypothesis([], _NEG, _NEG)] * max(0, self.k - len(self.finished))
-        order = torch.topk(torch.tensor([h.score for h in merged]), k=self.k).indices.tolist()
-        self.finished = [h for h in (merged[i] for i in order) if h.score > _NEG / 2]
+        for (score, beam, tok), hit in zip(cands[:self.k], hits):
+            if hit:
+                tokens = self.running[beam].token_ids[self.prompt_len:] + [tok]
+                merged.append(_Hypothesis(tokens, length_normalised(score, length, self.params.length_penalty), score))
+        # HF's top-k over float32 scores: the same ties, the same order.
+        order = torch.topk(torch.tensor([h.score for h in merged]), k=min(self.k, len(merged))).indices.tolist()
+        self.finished = [merged[i] for i in order]
 
     def _update_heuristic(self, cur_len: int) -> None:
         if len(self.finished) < self.k:  # an open slot: any running beam can still get in
             return
-        best = self.scores[0] / ((cur_len - self.prompt_len) ** self.params.length_penalty)
+        best = length_normalised(self.scores[0], cur_len - self.prompt_len, self.params.length_penalty)
         self.unsatisfied = self.unsatisfied and best > min(h.score for h in self.finished)
+
+
+def check_beam_request(engine, prompt, prompt_token_ids: list[int] | None,
+                       params: SamplingParams) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a beam request, or ValueError if it could never run: the checks
+    LLMEngine.add_request makes, done before LLM.generate runs anything."""
+    params.validate()
+    text, token_ids = engine.tokenize_prompt(prompt, prompt_token_ids)
+    total = len(token_ids) + params.max_tokens
+    limit = engine.config.max_model_len
+    if limit is not None and total > limit:
+        raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total}"
+                         f" exceeds max_model_len={limit}")
+    bm = engine.block_manager
+    need = params.beam_width * num_blocks_for(total, bm.block_size)
+    if need > bm.device.num_blocks:  # the run happens on the idle engine: every block may be free
+        raise ValueError(f"beam search of beam_width={params.beam_width} over {total} tokens needs {need} KV"
+                         f" blocks of {bm.block_size} tokens; the cache has {bm.device.num_blocks} (num_kv_blocks)")
+    return text, token_ids
 
 
 def beam_search(llm, prompt: str | None, prompt_ids: list[int], params: SamplingParams,

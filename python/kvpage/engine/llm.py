@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 import torch
+
+from kvpage.core.policies import check_preemption_mode
 
 from .llm_engine import EngineConfig, LLMEngine
 from .outputs import RequestOutput
@@ -34,13 +37,20 @@ class LLM:
                  tokenizer=None, kv_cache_dtype: str = "auto") -> None:
         """kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical)."""
+        # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        _check_block_size(block_size)
         _check_optional_positive("num_kv_blocks", num_kv_blocks)
         _check_optional_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_optional_positive("max_num_seqs", max_num_seqs)
         if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float)) and swap_space_gib >= 0):
             raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        _check_seed(seed)
+        check_preemption_mode(preemption_mode)
+        tokenizer = _resolve_tokenizer(tokenizer)
         from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
@@ -115,9 +125,11 @@ class LLM:
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Every prompt is checked before anything runs: a bad
-        SamplingParams or a prompt too long for the model or the cache raises ValueError naming the
-        prompt's index (vLLM's behaviour), and the engine stays usable."""
+        """One RequestOutput per prompt, in order. Every prompt, beam search ones included, is checked
+        before anything runs: a bad SamplingParams or a prompt too long for the model or the cache
+        raises ValueError naming the prompt's index (vLLM's behaviour), and the engine stays usable.
+        If a step raises anyway (the runner, a KeyboardInterrupt), this call's requests are withdrawn
+        and their blocks freed before the exception propagates: the LLM then generates as before."""
         prompts = _normalise_prompts(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
         return self._run([(p, None, sp) for p, sp in zip(prompts, params)], use_tqdm)
@@ -140,46 +152,67 @@ class LLM:
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
             self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
-        engine = self.llm_engine
+        ids, beams = self._add_all(items)
+        try:
+            results = self._drain(len(ids), use_tqdm)
+        except BaseException:
+            # A failed step (the engine has already discarded it) or a KeyboardInterrupt: withdraw this
+            # call's requests, freeing their blocks, so the LLM goes on exactly as before this call.
+            self.llm_engine.abort_request(ids)
+            raise
         # Beam search runs on the idle engine after the others (kvpage.engine.beam_search).
-        beams = {i for i, (_, _, sp) in enumerate(items) if sp.use_beam_search}
-        ids = self._add_all([item for i, item in enumerate(items) if i not in beams])
-        results: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids), use_tqdm)
-        start, generated = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    generated += sum(len(c.token_ids) for c in out.outputs)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-        if bar is not None:
-            bar.close()
+        from .beam_search import beam_search
         ordered, it = [], iter(ids)
-        for i, (prompt, token_ids, sp) in enumerate(items):
-            if i not in beams:
+        for i in range(len(items)):
+            if i in beams:
+                prompt, token_ids = beams[i]
+                ordered.append(beam_search(self, prompt, token_ids, items[i][2], request_id=str(next(self._counter))))
+            else:
                 ordered.append(results[next(it)])
-                continue
-            from .beam_search import beam_search
-            if token_ids is None:
-                prompt, token_ids = self.llm_engine.tokenize(prompt)
-            ordered.append(beam_search(self, prompt, token_ids, sp, request_id=str(next(self._counter))))
         return ordered
 
-    def _add_all(self, items: list) -> list[str]:
-        """Queue every request, or none: on the first that cannot run, withdraw the others and raise."""
-        ids = []
+    def _drain(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until the engine is idle; the final output of every request that finished."""
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(num_requests, use_tqdm)
+        start, generated = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
+                                                refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def _add_all(self, items: list) -> tuple[list[str], dict[int, tuple]]:
+        """Check every prompt and queue the non-beam ones, or queue none: on the first that cannot run,
+        withdraw the others and raise, naming its index. Returns the queued request ids, in order, and
+        {index: (text, token ids)} of the beam requests, checked the same way (beam_search runs them)."""
+        from .beam_search import check_beam_request
+        ids, beams = [], {}
         for index, (prompt, token_ids, sp) in enumerate(items):
-            rid = str(next(self._counter))
             try:
+                sp.validate()  # before use_beam_search reads beam_width
+                if sp.use_beam_search:
+                    beams[index] = check_beam_request(self.llm_engine, prompt, token_ids, sp)
+                    continue
+                rid = str(next(self._counter))
                 self.llm_engine.add_request(rid, prompt, sp, prompt_token_ids=token_ids, stream=False)
-            except (ValueError, TypeError) as e:
+            except BaseException as e:
                 self.llm_engine.abort_request(ids)
-                raise type(e)(f"prompt {index}: {e}") from e
+                if isinstance(e, (ValueError, TypeError)):
+                    raise type(e)(f"prompt {index}: {e}") from e
+                raise
             ids.append(rid)
-        return ids
+        return ids, beams
 
     def stats(self) -> dict:
         """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes
@@ -199,6 +232,41 @@ def _check_optional_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+# The attention kernels take power-of-two blocks of up to 256 tokens (csrc/checks.cpp).
+MAX_BLOCK_SIZE = 256
+
+
+def _check_block_size(block_size) -> None:
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not ok or not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be an int power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+
+
+def _check_seed(seed) -> None:
+    # The range torch.Generator.manual_seed takes.
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+
+
+def _resolve_tokenizer(tokenizer):
+    """None (the model's own), a local tokenizer directory, or an object with encode and decode."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not os.path.isdir(tokenizer):
+            raise ValueError(f"tokenizer must be None, a local tokenizer directory or a tokenizer object;"
+                             f" {str(tokenizer)!r} is no directory")
+        from transformers import AutoTokenizer
+        try:  # local only: a typo must not turn into a download
+            return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer: no tokenizer could be loaded from {str(tokenizer)!r}: {e}") from e
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"tokenizer must be None, a local tokenizer directory or an object with encode and"
+                        f" decode methods, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
 def _resolve_dtype(dtype):
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -216,7 +284,7 @@ def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     """The generation config's eos ids (HF generate stops on all of them), else the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
+        eos = getattr(tokenizer, "eos_token_id", None)  # a minimal encode/decode tokenizer may have none
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

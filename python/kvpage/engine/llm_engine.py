@@ -14,7 +14,7 @@ from kvpage.core import BlockManager, FinishReason, Request, Scheduler, Schedule
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler, SampleRow
+from .sampler import Sampler, SampleRow, SamplerOutput
 from .sampling_params import SamplingParams
 
 
@@ -83,12 +83,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have been assigned since construction
         if params.use_beam_search:
             raise ValueError("beam_width > 1 runs through LLM.generate (kvpage.engine.beam_search), not add_request")
-        if prompt_token_ids is not None:  # already tokenised (chat templates); prompt is just the text
-            text, token_ids = prompt, self.tokenize(list(prompt_token_ids))[1]
-        else:
-            text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
         eos, *more_eos = self.config.eos_token_ids or (None,)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
@@ -101,6 +99,13 @@ class LLMEngine:
                 sample.detok = IncrementalDetokenizer(len(token_ids))
         self._states[request_id] = state
         self.num_prompt_tokens += len(token_ids)
+
+    def tokenize_prompt(self, prompt, prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
+        """(text, checked token ids); with prompt_token_ids (already tokenised: chat templates) the prompt
+        is just the text."""
+        if prompt_token_ids is None:
+            return self.tokenize(prompt)
+        return prompt, self.tokenize(list(prompt_token_ids))[1]
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -136,12 +141,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.num_steps += 1
         self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
-        self._check_progress(out)
         rows = [s for s in out.scheduled if s.do_sample]
-        sampled = {}
-        if not out.is_empty:
-            sampled = self._sample(rows, self.runner.execute(out))
-        self.scheduler.update_from_output(out, sampled)
+        sample_rows, result = [], None
+        try:
+            self._check_progress(out)
+            if not out.is_empty:
+                sample_rows, result = self._sample(rows, self.runner.execute(out))
+            self.scheduler.update_from_output(out, self._sampled(rows, result))
+        except BaseException:
+            # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
+            # step and its requests run again from a consistent state; the caller decides about them.
+            self.scheduler.discard_step(out)
+            raise
+        self._record_samples(rows, sample_rows, result)
         return self._process(rows)
 
     def _check_progress(self, out: SchedulerOutput) -> None:
@@ -150,25 +162,34 @@ class LLMEngine:
             raise RuntimeError("the scheduler made no progress in 3 steps with requests pending"
                                f" ({self.scheduler.stats()}); this is a bug")
 
-    def _sample(self, rows, logits) -> dict[int, int | list[int]]:
+    def _sample(self, rows, logits) -> tuple[list[SampleRow], SamplerOutput]:
         sample_rows = []
         for s in rows:
             state = self._states[s.request_id]
             index = 0 if s.num_samples > 1 else state.index_of[s.seq_id]
             position = s.context_len - state.request.num_prompt_tokens
             sample_rows.append(SampleRow(state.params, s.num_samples, index, position))
-        result = self.sampler(logits, sample_rows)
+        return sample_rows, self.sampler(logits, sample_rows)
+
+    @staticmethod
+    def _sampled(rows, result: SamplerOutput | None) -> dict[int, int | list[int]]:
+        """What update_from_output takes: per sequence its token, or its num_samples tokens (a fork)."""
+        if result is None:
+            return {}
+        return {s.seq_id: tokens if s.num_samples > 1 else tokens[0] for s, tokens in zip(rows, result.tokens)}
+
+    def _record_samples(self, rows, sample_rows: list[SampleRow], result: SamplerOutput | None) -> None:
+        """Log-probabilities and counters, only once the scheduler took the step (a failed step adds nothing)."""
+        if result is None:
+            return
         now = time.perf_counter()
-        sampled = {}
         for s, row, tokens, logprobs in zip(rows, sample_rows, result.tokens, result.logprobs):
             state = self._states[s.request_id]
             if state.first_token_time is None:
                 state.first_token_time = now
             for k, lp in enumerate(logprobs):
                 state.samples[row.sample_index + k].cumulative_logprob += lp
-            sampled[s.seq_id] = tokens if s.num_samples > 1 else tokens[0]
             self.num_generation_tokens += len(tokens)
-        return sampled
 
     def _process(self, rows) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}

@@ -77,7 +77,7 @@ class Sampler:
             tokens[g] = logits[g].argmax(dim=-1)
         rand = [j for j, (row, _) in enumerate(flat) if not row.params.greedy]
         r = torch.tensor(rand)
-        scaled = logits[r] / torch.tensor([flat[j][0].params.temperature for j in rand]).unsqueeze(1)
+        scaled = _scale(logits[r], [flat[j][0].params.temperature for j in rand])
         filt = [k for k, j in enumerate(rand) if flat[j][0].params.needs_filter]
         if filt:
             f = torch.tensor(filt)
@@ -97,6 +97,14 @@ class Sampler:
                 key = seed_key(row.params.seed, row.sample_index + offset, row.position)
                 q[k].exponential_(generator=self._row_generator.manual_seed(key))
         return q
+
+
+def _scale(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """logits / temperature, row by row, finite for any temperature > 0: the row's maximum goes to 0
+    first (softmax does not change) and the divisor is at least float32's smallest normal, so a tiny
+    temperature (1e-40 is a float32 subnormal, 1e-300 is 0) gives the argmax, not inf - inf = nan."""
+    t = torch.tensor(temperatures).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+    return (logits - logits.max(dim=-1, keepdim=True).values) / t
 
 
 def _with_offsets(rows: list[SampleRow]):
@@ -123,7 +131,9 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     sorted_logits.masked_fill_(ranks >= k.unsqueeze(1), float("-inf"))
     top_p = torch.tensor([float(p.top_p) for p in params]).unsqueeze(1)
     probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p: the first token always stays.
-    before = probs.cumsum(dim=-1) - probs
-    sorted_logits.masked_fill_(before >= top_p, float("-inf"))
+    # Keep a token while the mass before it is below top_p. The most likely token always stays, even
+    # where top_p rounds to 0 in float32 (a top_p of 1e-46 passes the (0, 1] check): as vLLM and HF do.
+    drop = probs.cumsum(dim=-1) - probs >= top_p
+    drop[:, 0] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,6 +12,27 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Containers a list of stops may come in (order never matters: the earliest match wins).
+_COLLECTIONS = (list, tuple, set, frozenset)
+
+
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, _COLLECTIONS) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be None, a non-empty string or a list of them, got {stop!r}")
+    return list(stops)
+
+
+def _stop_token_ids(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, _COLLECTIONS) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"stop_token_ids must be None or a list of non-negative ints, got {ids!r}")
+    return list(ids)
 
 
 @dataclass
@@ -36,16 +58,18 @@ class SamplingParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (ValueError naming it) and normalise stop / stop_token_ids to lists.
+
+        A dataclass does not re-check fields assigned after construction, so add_request calls this
+        again: a mutated SamplingParams is rejected before anything runs.
+        """
         self._check_ints()
         self._check_floats()
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
@@ -64,8 +88,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.length_penalty) or self.length_penalty != self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        # Any finite value works (beam_search normalises in log space where a power would overflow).
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
     @property
     def greedy(self) -> bool:
