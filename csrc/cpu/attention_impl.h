@@ -167,7 +167,8 @@ template <int kD, typename Layout>
 void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
   const AttentionArgs& a = kv.a;
   const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
-  for (int64_t r = 0; r < round_up_rows(rs.rows); ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
+  const int64_t rp = round_up_rows(rs.rows);  // the wide layout's softmax runs over padded rows too
+  for (int64_t r = 0; r < rp; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
   std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
   Layout::start(rs, d, s);
   for (int64_t c0 = begin; c0 < end; c0 += chunk) {

@@ -3,7 +3,8 @@
 // rows rounded up to 8), so a score is FMAs of a broadcast key element with eight rows' query
 // elements, and the scores land by token (scoreT [token][rp]) without a horizontal sum (row-by-row
 // dot products, microkernels.h, ran at about half the FMA peak in L1 here, held back by those sums;
-// the values loop at three quarters). The online softmax then runs eight rows per vector too. Values reuse block_values, reading p by token.
+// the values loop at three quarters). The online softmax then runs eight rows per vector too.
+// Values reuse block_values, reading p by token.
 // Included by attention_impl.h inside the ISA namespace, after RowScores, the layout it mirrors.
 #pragma once
 
@@ -92,7 +93,8 @@ inline void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* 
     for (int64_t t = 0; t < n; ++t) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sT + t * rp + r0));
     const __m256 m_old = _mm256_loadu_ps(m + r0);
     const __m256 m_new = _mm256_max_ps(m_old, mx);
-    const __m256 m_safe = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), _mm256_cmp_ps(m_new, minus_inf, _CMP_EQ_OQ));
+    const __m256 nothing_seen = _mm256_cmp_ps(m_new, minus_inf, _CMP_EQ_OQ);
+    const __m256 m_safe = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), nothing_seen);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
       const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sT + t * rp + r0), m_safe));

@@ -97,7 +97,7 @@ void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s,
 // registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
 KVPAGE_KERNEL_INLINE
 void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
-                         int64_t s_stride) {
+                  int64_t s_stride) {
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; rows - r >= 4; r += 4) scores_rows<Lanes16, 4>(q + r * d, k, n, d, s + r * s_stride, s_stride);
@@ -146,7 +146,8 @@ void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p
                   const float* v, int64_t n) {
   int64_t r = 0;
 #if defined(__AVX512F__)
-  for (; rows - r >= 4; r += 4) values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
+  for (; rows - r >= 4; r += 4)
+    values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
 #endif
   for (; rows - r >= 3 && rows - r != 4; r += 3)
     values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
@@ -215,7 +216,7 @@ inline float exp_and_sum(float* s, int64_t n, float m) {
 
 KVPAGE_KERNEL_INLINE
 void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
-                         int64_t s_stride) {
+                  int64_t s_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < n; ++t) {
       float sum = 0.f;
