@@ -31,14 +31,16 @@ def _llm(args):
 
 
 def cmd_generate(args) -> None:
-    out = _llm(args).generate(args.prompt, _params(args), use_tqdm=False)[0].outputs[0]
+    params = _params(args)  # bad sampling flags fail before the model loads
+    out = _llm(args).generate(args.prompt, params, use_tqdm=False)[0].outputs[0]
     print(out.text)
 
 
 def cmd_chat(args) -> None:
     """Interactive: each reply streams token by token through LLMEngine.step()."""
+    params = _params(args)
     llm = _llm(args)
-    engine, params, history = llm.llm_engine, _params(args), []
+    engine, history = llm.llm_engine, []
     print("kvpage chat: empty line or Ctrl-D to quit")
     for turn in range(1 << 30):
         try:
@@ -170,6 +172,14 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"kvpage: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # The default model's wheel missing is the environment, not a bug: what to install, no traceback.
+        # (Looked up, not imported: `kvpage plan` never loads torch.)
+        loader = sys.modules.get("kvpage.model.loader")
+        if loader is None or not isinstance(e, loader.DefaultModelMissing):
+            raise
+        print(f"kvpage: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -66,6 +66,22 @@ def test_more_ranks_than_heads_is_refused_before_any_process_starts():
         kvpage.LLM(model=model, tensor_parallel_size=3, num_kv_blocks=8)
 
 
+def test_models_it_cannot_shard_are_refused_before_any_process_starts(monkeypatch):
+    """GPT-2 (fused c_attn, no Llama-style layers) and OLMo 2 (q_norm over all heads) run at TP=1 but cannot
+    be split: a ValueError up front, not an AttributeError or a worker crashing at the first step."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Olmo2Config, Olmo2ForCausalLM
+    from kvpage.distributed import executor
+
+    monkeypatch.setattr(executor, "WorkerProcesses", lambda specs: pytest.fail("a worker was started"))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 supports HF Llama-family models.*GPT2LMHeadModel"):
+        kvpage.LLM(model=gpt2, tensor_parallel_size=2, num_kv_blocks=8)
+    olmo2 = Olmo2ForCausalLM(Olmo2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="cannot split Olmo2ForCausalLM: its attention's q_norm"):
+        kvpage.LLM(model=olmo2, tensor_parallel_size=2, num_kv_blocks=8)
+
+
 def test_unpacked_step_is_the_runners_own_flat_batch():
     """What every rank runs from the broadcast equals what ModelRunner._prepare builds at TP=1."""
     prompts = random_prompts([7, 20, 3])

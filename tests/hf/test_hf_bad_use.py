@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from hf_helpers import left_padded
 from kvpage import PagedCache
 from tiny_models import random_prompts, tiny_config, tiny_model
 
@@ -90,3 +91,64 @@ def test_model_not_on_kvpage_attention():
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="did not read the PagedCache"):
         run(model, cache)
+
+
+def forward(model, cache, ids, mask=None):
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask, cache=cache).logits
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1]), torch.ones(1, 9, 9).tril().long()],
+                         ids=["1d", "3d"])
+def test_mask_that_is_not_2d_is_refused_not_ignored(mask):
+    model = kvpage_model("llama")
+    cache = PagedCache(model.config)
+    with pytest.raises(ValueError, match=r"attention_mask has shape .* expects \(1, 9\)"):
+        forward(model, cache, torch.tensor(random_prompts([9])), mask)
+
+
+@pytest.mark.parametrize("method,indices,error,match", [
+    ("reorder_cache", torch.tensor([True, False, True]), ValueError, "beam_idx must be a 1-D integer tensor"),
+    ("reorder_cache", torch.tensor([0, -1, 1]), ValueError, r"beam_idx holds \[-1\], out of range"),
+    ("reorder_cache", [0.7, 1.2, 1.9], TypeError, "beam_idx must be"),
+    ("reorder_cache", None, TypeError, "beam_idx must be"),
+    ("batch_select_indices", torch.tensor([True, False, True]), ValueError, "indices must be"),
+    ("batch_select_indices", [5], ValueError, r"indices holds \[5\], out of range for the cache's 3 rows"),
+])
+def test_bad_row_indices(method, indices, error, match):
+    """A bool mask is not indices (torch's index_select refuses it too), floats are not truncated."""
+    model = kvpage_model("llama")
+    cache = PagedCache(model.config, block_size=8)
+    forward(model, cache, *left_padded(random_prompts([5, 12, 9]), pad_id=0))
+    with pytest.raises(error, match=match):
+        getattr(cache, method)(indices)
+    assert cache.row_lengths() == [5, 12, 9]
+
+
+@pytest.mark.parametrize("count", [-1.5, None, "2"])
+def test_crop_needs_an_int(count):
+    with pytest.raises(TypeError, match="tokens_to_remove must be an int"):
+        PagedCache(tiny_config("llama")).crop(count)
+
+
+def test_device_must_be_a_device():
+    with pytest.raises(ValueError, match="device must be"):
+        PagedCache(tiny_config("llama"), device="nope")
+
+
+def test_a_rejected_layer_leaves_the_cache_usable():
+    model = kvpage_model("llama", attention_dropout=0.1)
+    cache = PagedCache(model.config)
+    model.train()
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        run(model, cache)
+    model.eval()
+    run(model, cache)  # the same cache, now that the model is right
+
+
+def test_backward_through_kvpage_attention_raises():
+    """The kernels have no backward: a gradient that skipped the attention would be silently wrong."""
+    model = kvpage_model("llama")
+    logits = model(input_ids=torch.tensor(random_prompts([6])), cache=PagedCache(model.config)).logits
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        logits.sum().backward()

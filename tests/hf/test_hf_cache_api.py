@@ -164,3 +164,53 @@ def test_pool_grows_on_demand_and_fixed_pools_do_not(models):
     assert used <= grown.stats().num_blocks_allocated <= 1.25 * used + 1
     assert fixed.stats().num_blocks_allocated == 40
     assert grown.stats().kv_bytes_used == used * grown.bytes_per_block()
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_pass_that_stops_midway_is_taken_back(models):
+    """An exception or interrupt between two layers (here in layer 0's MLP) leaves layer 1 without this pass's K/V:
+    the next call must not attend over them. It raises, the cache goes back to before that pass (block tables and
+    ref counts, copy-on-write undone), and the same call then runs."""
+    model, reference = models
+    prompts = random_prompts([5, 12, 9], seed=4)
+    ids, mask = left_padded(prompts, pad_id=0)
+    cache = PagedCache(model.config, block_size=BS)
+    forward(model, ids, cache, mask)
+    cache.reorder_cache(torch.tensor([1, 1, 0]))  # rows 0 and 1 share a partly filled block: the next step copies it
+    tables, refs = cache.block_tables(), list(cache.pool.ref_counts)
+
+    def stop(*args):
+        raise Stop
+
+    step, mask = torch.tensor([[7], [8], [9]]), torch.cat([mask[[1, 1, 0]], torch.ones(3, 1, dtype=mask.dtype)], 1)
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(stop)
+    try:
+        with pytest.raises(Stop):
+            forward(model, step, cache, mask)
+    finally:
+        hook.remove()
+    with pytest.raises(RuntimeError, match="stopped after 1 of its 2 layers"):
+        forward(model, step, cache, mask)
+    assert cache.block_tables() == tables and cache.pool.ref_counts == refs and cache.get_seq_length() == 12
+    logits = forward(model, step, cache, mask)
+    want = full_logits(reference, [prompts[1] + [7], prompts[1] + [8], prompts[0] + [9]])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_error_at_a_later_layer_leaves_the_cache_as_it_was():
+    """Qwen2 with a sliding window from layer 1 on: layer 0 has written the pass's K/V when layer 1 refuses it."""
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    model.set_attn_implementation("kvpage")
+    tokens = random_prompts([6], seed=13)[0]
+    cache = PagedCache(model.config, block_size=4)
+    forward(model, torch.tensor([tokens]), cache)
+    with pytest.raises(NotImplementedError, match="layer 1's window of 8"):
+        forward(model, torch.tensor([[5, 6, 7]]), cache)
+    assert cache.row_lengths() == [6] and cache.stats().num_blocks_used == 2
+    logits = forward(model, torch.tensor([[9]]), cache)
+    torch.testing.assert_close(logits, full_logits(reference, [tokens + [9]]), rtol=1e-4, atol=1e-4)

@@ -108,3 +108,31 @@ def test_load_model_rejects_bad_arguments(tmp_path):
         load_model(str(tmp_path))
     with pytest.raises(TypeError, match="model must be"):
         load_model(42)
+
+
+def test_load_model_rejects_models_outside_the_attention_registry(tmp_path):
+    """Bloom (like Falcon) runs its own attention code: "kvpage" would be set on its config and never called."""
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="BloomForCausalLM runs its own attention code"):
+        load_model(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="BloomForCausalLM runs its own attention code"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_from_a_broken_directory_names_it(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model: no model could be loaded"):
+        load_model(str(tmp_path))
+
+
+def test_llm_rejects_a_dtype_before_converting_the_model():
+    import torch
+
+    import kvpage
+
+    model = tiny_model("llama")
+    for dtype in (torch.float64, torch.int8):
+        with pytest.raises(ValueError, match="dtype must be"):
+            kvpage.LLM(model=model, dtype=dtype)
+    assert model.dtype == torch.float32  # the caller's model was not converted in place

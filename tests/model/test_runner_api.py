@@ -113,6 +113,24 @@ def test_sliding_window_beyond_the_sequence_is_refused():
             kvpage_attention_forward(module, q, q, q, None, sliding_window=2)
 
 
+@pytest.mark.parametrize("kwargs,match", [(dict(s_aux=torch.zeros(2)), "attention sinks"),
+                                          (dict(sinks=torch.zeros(2)), "attention sinks"),
+                                          (dict(position_bias=torch.zeros(1, 2, 3, 3)), "position_bias"),
+                                          (dict(is_causal=False), "causal only")])
+def test_attention_refuses_what_the_kernels_do_not_compute(kwargs, match):
+    """GPT-OSS's sinks, T5-style position bias, a bidirectional layer: ignoring them would silently differ."""
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 3, 16)
+    metadata = AttentionMetadata.build([3], [3], [[0]], [0, 1, 2])
+    with set_forward_context(metadata, [ops.allocate_kv_cache(1, BLOCK, 2, 16)]):
+        with pytest.raises(NotImplementedError, match=match):
+            kvpage_attention_forward(module, q, q, q, None, **kwargs)
+        module.is_causal = False  # an encoder's layer says so itself (sdpa reads the same attribute)
+        with pytest.raises(NotImplementedError, match="causal only"):
+            kvpage_attention_forward(module, q, q, q, None)
+
+
 def test_runs_a_scheduler_output_as_it_is():
     from kvpage.core import ScheduledSequence, SchedulerOutput
 

@@ -83,6 +83,7 @@ def capacity(model: ModelShape, device: Device, context_len: int, mean_len: floa
              dtype_bytes: int = 2, memory_utilization: float = 0.9) -> Capacity:
     """Sequences that fit in the KV budget with reservation for context_len vs with paging."""
     _check_positive("context_len", context_len)
+    _check_positive("block_size", block_size)
     if not 0 < mean_len <= context_len:
         raise ValueError(f"mean_len must be in (0, context_len={context_len}], got {mean_len!r}")
     budget = kv_budget_bytes(model, device, dtype_bytes, memory_utilization)

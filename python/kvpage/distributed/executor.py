@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kvpage.model.tensor_parallel import CommTimer, ShardPlan, set_process_group
+from kvpage.model.tensor_parallel import CommTimer, ShardPlan, check_shardable, set_process_group
 
 from . import protocol
 from .group import (WORKER_TIMEOUT_S, TPGroup, device_for, driver_timeout_s, init_group, rendezvous_store,
@@ -233,6 +233,7 @@ def launch(model_arg, model, world_size: int) -> TensorParallelExecutor:
     returns the executor; every other rank serves the driver's steps until it shuts down, then exits
     the process (SystemExit(0)) - so the rest of the script runs on rank 0 only.
     """
+    check_shardable(model)
     env = torchrun_env()
     if env is not None and env.world_size > 1:
         if env.world_size != world_size:

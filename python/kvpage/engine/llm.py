@@ -268,11 +268,14 @@ def _resolve_tokenizer(tokenizer):
 
 
 def _resolve_dtype(dtype):
-    if dtype is None or isinstance(dtype, torch.dtype):
+    # Checked before the model loads: a model object is converted in place (model.to), so a dtype the
+    # kernels cannot take must not reach it.
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype must be None, a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+    raise ValueError(f"dtype must be None, torch.float32 / float16 / bfloat16 or one of {sorted(_DTYPES)},"
+                     f" got {dtype!r}")
 
 
 def _blocks_for(config, gib: float, block_size: int, dtype) -> int:

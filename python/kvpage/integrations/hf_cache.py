@@ -22,6 +22,7 @@ partly filled block, which is copied first (`ops.copy_blocks`).
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass, field
 
@@ -46,6 +47,16 @@ _GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, all
 
 
 @dataclass
+class _Undo:
+    """What the cache held before a forward pass placed its tokens: a pass that fails or is interrupted
+    midway (some layers never wrote their K/V) is taken back to this, never left half-written."""
+
+    started: bool  # the pass began an empty cache: undo empties it again
+    num_columns: int
+    tables: list[tuple[list[int], int]]  # RowTables.snapshot()
+
+
+@dataclass
 class _Step:
     """One forward pass's layout, built at its first attention layer and read by every layer."""
 
@@ -53,7 +64,8 @@ class _Step:
     query_len: int
     metadata: AttentionMetadata | None  # None: no row has a real token in this pass
     token_index: torch.Tensor | None  # real tokens' places in the flat [batch * query_len]; None: all real
-    layers_done: set[int] = field(default_factory=set)
+    undo: _Undo | None = None
+    layers_done: set[int] = field(default_factory=set)  # layers whose K/V this pass has written
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ class PagedCache(Cache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else None
+        self.device = _device(device)
         self.pool = BlockPool(num_blocks if num_blocks is not None else _GROWABLE_BLOCK_IDS)
         self.tables = RowTables(self.pool, block_size)
         self.kv_caches: list[KVCache] = []  # per layer (key_cache, value_cache), from ops.allocate_kv_cache
@@ -125,7 +137,9 @@ class PagedCache(Cache):
                             " cache.update(key, value, layer_idx, kwargs=kwargs)); this model passes none")
         self._check_layer(layer_idx, key_states, value_states)
         if self._pending_layer is not None:
-            raise RuntimeError(f"the attention of layer {self._pending_layer} did not read the PagedCache: load the"
+            pending = self._pending_layer
+            self.abort_pass()
+            raise RuntimeError(f"the attention of layer {pending} did not read the PagedCache: load the"
                                f" model with attn_implementation={ATTN_IMPLEMENTATION!r} (or call"
                                f" model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
         self._pending_layer = layer_idx
@@ -155,10 +169,10 @@ class PagedCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues row beam_idx[i]. Tables are re-pointed, blocks shared by ref count."""
-        self._select_rows(_index_list(beam_idx, "beam_idx"))
+        self._select_rows(_index_list(beam_idx, "beam_idx", len(self.tables)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(_index_list(indices, "indices"))
+        self._select_rows(_index_list(indices, "indices", len(self.tables)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -168,9 +182,16 @@ class PagedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove columns (transformers 5 semantics: a negative count); blocks
         past each row's new length go back to the pool."""
+        if isinstance(tokens_to_remove, bool):
+            raise TypeError(f"tokens_to_remove must be an int, got {tokens_to_remove!r}")
+        try:
+            tokens_to_remove = operator.index(tokens_to_remove)
+        except TypeError:
+            raise TypeError(f"tokens_to_remove must be an int, got {tokens_to_remove!r}") from None
         if tokens_to_remove > 0:
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. Please"
                              f" use a negative integer to remove that number of tokens from the cache instead.")
+        self._check_last_pass()
         if tokens_to_remove == 0 or not len(self.tables):
             return
         keep = max(0, self.get_seq_length() + tokens_to_remove)
@@ -204,7 +225,25 @@ class PagedCache(Cache):
             raise RuntimeError(f"PagedCache.attend for layer {layer_idx} without its update (pending:"
                                f" {self._pending_layer}): attend is called by the 'kvpage' attention function")
         self._pending_layer = None
-        step = self._step_for(layer_idx, query, padding_mask)
+        try:
+            step = self._step_for(layer_idx, query, padding_mask)
+            out = self._attend(step, layer_idx, query, key, value, scale, sliding_window)
+        except BaseException:
+            self.abort_pass()  # an error at layer 3 must not leave layers 0-2 holding this pass's K/V alone
+            raise
+        step.layers_done.add(layer_idx)
+        return out
+
+    def abort_pass(self) -> None:
+        """Take back the forward pass in progress, if any (the "kvpage" attention calls this when it rejects a
+        layer): the cache then holds what it held before that pass, and the same call may run again."""
+        self._pending_layer = None
+        step = self._step
+        if step is not None and step.undo is not None and len(step.layers_done) < self.num_layers:
+            self._undo(step.undo)
+
+    def _attend(self, step: _Step, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float | None, sliding_window: int | None) -> torch.Tensor:
         batch, num_heads, query_len, head_size = query.shape
         out = query.new_empty((batch, query_len, num_heads, head_size))
         if step.metadata is None:
@@ -250,12 +289,41 @@ class PagedCache(Cache):
         """The current pass's layout; a layer seen before in it means a new pass has begun."""
         step = self._step
         if step is None or layer_idx in step.layers_done:
-            step = self._step = self._begin_step(query.shape[0], query.shape[2], padding_mask, query.device)
+            self._check_last_pass()
+            self._step = None
+            undo = _Undo(not len(self.tables), self.get_seq_length(), self.tables.snapshot())
+            try:
+                step = self._begin_step(query.shape[0], query.shape[2], padding_mask, query.device)
+            except BaseException:
+                self._undo(undo)
+                raise
+            step.undo = undo
+            self._step = step
         elif (query.shape[0], query.shape[2]) != (step.batch_size, step.query_len):
             raise ValueError(f"layer {layer_idx} got {query.shape[0]} rows x {query.shape[2]} tokens, the layers"
                              f" before it in this pass {step.batch_size} x {step.query_len}")
-        step.layers_done.add(layer_idx)
         return step
+
+    def _check_last_pass(self) -> None:
+        """Raise if the last forward pass stopped midway (an exception or interrupt outside the attention, e.g.
+        in an MLP): its later layers never wrote their K/V. It is taken back first, so a second try runs."""
+        step = self._step
+        if step is None or step.undo is None or len(step.layers_done) == self.num_layers:
+            return
+        done = len(step.layers_done)
+        self._undo(step.undo)
+        raise RuntimeError(f"the last forward pass over this PagedCache stopped after {done} of its {self.num_layers}"
+                           f" layers (an exception or interrupt), so its tokens were dropped: the cache holds"
+                           f" {self.get_seq_length()} columns, as before that pass. Run the call again")
+
+    def _undo(self, undo: _Undo) -> None:
+        if undo.started:
+            self.tables.clear()
+            self._columns = torch.zeros((0, 0), dtype=torch.bool)
+        else:
+            self.tables.restore(undo.tables)
+            self._columns = self._columns[:, :undo.num_columns]
+        self._step = None
 
     def _begin_step(self, batch_size: int, query_len: int, padding_mask: torch.Tensor | None,
                     device: torch.device) -> _Step:
@@ -299,6 +367,7 @@ class PagedCache(Cache):
     def _select_rows(self, indices: list[int]) -> None:
         if self._pending_layer is not None:
             raise RuntimeError("cannot reorder a PagedCache in the middle of a forward pass")
+        self._check_last_pass()
         if not len(self.tables):
             return
         self.tables.select(indices)
@@ -405,9 +474,9 @@ def _decoder_config(config) -> PretrainedConfig:
     if others:
         raise ValueError(f"config has {others} layers; a PagedCache holds attention layers' K/V only")
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        if not isinstance(getattr(config, name, None), int):
-            raise ValueError(f"config must define an int {name} (a decoder-only LM config), got"
-                             f" {getattr(config, name, None)!r}")
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (name != "num_hidden_layers"):
+            raise ValueError(f"config must define a positive int {name} (a decoder-only LM config), got {value!r}")
     return config
 
 
@@ -421,10 +490,31 @@ def _check_args(num_blocks, block_size, dtype) -> None:
         raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
 
 
-def _index_list(indices, name: str) -> list[int]:
+def _index_list(indices, name: str, num_rows: int) -> list[int]:
+    """Row indices as ints in [0, num_rows) (as torch.index_select takes them: no bool mask, no negative index)."""
     if isinstance(indices, torch.Tensor):
-        if indices.dim() != 1 or indices.is_floating_point():
+        if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got {indices.dtype} of shape"
                              f" {tuple(indices.shape)}")
-        return indices.tolist()
-    return [int(i) for i in indices]
+        values = indices.tolist()
+    else:
+        try:
+            items = list(indices)
+            if any(isinstance(i, bool) for i in items):
+                raise TypeError
+            values = [operator.index(i) for i in items]
+        except TypeError:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {indices!r}") from None
+    bad = [i for i in values if not 0 <= i < num_rows]
+    if bad and num_rows:
+        raise ValueError(f"{name} holds {bad[:4]}, out of range for the cache's {num_rows} rows")
+    return values
+
+
+def _device(device) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device must be a torch.device, a device string or None, got {device!r} ({e})") from None

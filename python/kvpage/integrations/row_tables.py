@@ -84,6 +84,21 @@ class RowTables:
             self.truncate(row, 0)
         self.rows = []
 
+    def snapshot(self) -> list[tuple[list[int], int]]:
+        """Each row's (block table, length), for restore()."""
+        return [(list(row.block_table), row.num_tokens) for row in self.rows]
+
+    def restore(self, snapshot: list[tuple[list[int], int]]) -> None:
+        """Put the rows back as `snapshot` found them, taking back the appends (and their copy-on-write) since:
+        blocks only they took go back to the pool. The same rows must still be there (no select in between)."""
+        for row, (table, num_tokens) in zip(self.rows, snapshot):
+            for block_id in table:  # the old blocks are all still held (a block copied away was shared), so
+                self.pool.incref(block_id)  # referencing them first frees none of them in between
+            for block_id in reversed(row.block_table):
+                self.pool.decref(block_id)
+            row.block_table[:] = table
+            row.num_tokens = num_tokens
+
     def _reserve(self, counts: list[int]) -> None:
         bs, refs = self.block_size, self.pool.ref_counts
         needed, copied = 0, Counter()

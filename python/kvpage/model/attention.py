@@ -52,15 +52,17 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
     Under ModelRunner, B is 1 (the runner's flat batch); under a PagedCache, B is HF's padded batch and
     attention_mask the 2D padding mask (see _padding_mask)."""
-    if dropout:
-        raise ValueError(f"kvpage attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("kvpage attention does not support attention logit softcapping")
     paged_cache = kwargs.get(PAGED_CACHE_KWARG)
+    try:
+        _check_supported(module, dropout, kwargs)
+    except (ValueError, NotImplementedError):
+        if paged_cache is not None:
+            paged_cache.abort_pass()  # the cache stays as it was: the same call runs once the model is fixed
+        raise
     if paged_cache is not None:
         out = paged_cache.attend(module.layer_idx, query, key, value, attention_mask, scale=scaling,
                                  sliding_window=kwargs.get("sliding_window"))
-        return out, None
+        return _no_backward(out, query, key, value), None
     if query.shape[0] != 1:
         raise ValueError(f"kvpage attention takes one flat batch of packed sequences (batch size 1),"
                          f" got query of shape {tuple(query.shape)}")
@@ -80,17 +82,52 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     out = query.new_empty((1, num_tokens, num_heads, head_size))
     paged_attention_forward(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                             key_cache, value_cache, context.attn_metadata, scale=scaling, out=out[0])
-    return out, None
+    return _no_backward(out, query, key, value), None
+
+
+def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """Reject what would change this layer's attention beyond causal softmax(q k^T * scale) v, which is
+    all the paged kernels compute: ignoring it would give other outputs than the model's own attention."""
+    if dropout:
+        raise ValueError(f"kvpage attention is for inference: dropout must be 0, got {dropout} (call model.eval())")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("kvpage attention does not support attention logit softcapping")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError("kvpage attention does not support attention sinks (s_aux / sinks)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("kvpage attention does not support an additive position_bias")
+    is_causal = kwargs.get("is_causal")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise NotImplementedError(f"kvpage attention is causal only; {type(module).__name__} attends"
+                                  f" bidirectionally (an encoder or cross-attention layer)")
+
+
+class _NoBackward(torch.autograd.Function):
+    """The paged kernels have no backward pass: with autograd recording, their output is tied to q/k/v through
+    this, so backward raises instead of leaving the q/k/v projections silently without a gradient."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("kvpage attention has no backward pass (it is for inference): train with"
+                           " attn_implementation='sdpa' or 'eager'")
+
+
+def _no_backward(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _NoBackward.apply(out, *inputs)
+    return out
 
 
 def _padding_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Causality and sequence boundaries come from query_start_loc and seq_lens, so HF must not
-    build an O(T^2) mask. What reaches the attention layers is the 2D padding mask [batch, past + new]
-    as HF got it (None under ModelRunner, which passes none): a PagedCache reads from it which tokens
-    of a left-padded batch are real."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        return attention_mask
-    return None
+    build an O(T^2) mask. What reaches the attention layers is the padding mask as HF got it (None
+    under ModelRunner, which passes none): a PagedCache reads from it which tokens of a left-padded
+    batch are real, and rejects any mask that is not 2D [batch, past + new] rather than ignore it."""
+    return attention_mask
 
 
 def head_dim_of(config) -> int:

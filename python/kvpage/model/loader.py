@@ -109,6 +109,7 @@ def load_model(model=None, dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
+        check_attention_backend(type(model))
         if dtype is not None and model.dtype != dtype:
             model = model.to(dtype)
         set_kvpage_attention(model)
@@ -122,10 +123,35 @@ def load_model(model=None, dtype: torch.dtype | None = None):
     else:
         raise TypeError(f"model must be None, a directory path or a transformers PreTrainedModel,"
                         f" got {type(model).__name__}")
-    loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto",
-                                                  attn_implementation=ATTN_IMPLEMENTATION)
+    try:
+        _check_model_dir(path)
+        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto",
+                                                      attn_implementation=ATTN_IMPLEMENTATION)
+    except OSError as e:  # a broken config.json, no weights file: the argument is at fault, not the system
+        raise ValueError(f"model: no model could be loaded from {str(path)!r}: {e}") from e
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if _has_tokenizer(path) else None
     return loaded.eval(), tokenizer
+
+
+def check_attention_backend(model_class) -> None:
+    """Raise ValueError for a model class whose attention layers do not dispatch through transformers'
+    attention registry (Falcon, Bloom, ...): "kvpage" would be set on its config and never called, and
+    every step would attend to its own tokens only."""
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ValueError(f"model: {model_class.__name__} runs its own attention code, not transformers' attention"
+                         f" registry (attn_implementation=...), so kvpage's paged attention cannot take its place;"
+                         f" kvpage serves decoder-only models whose attention dispatches through it (Llama, Qwen2,"
+                         f" Mistral, Gemma, Phi-3, GPT-2, ...)")
+
+
+def _check_model_dir(path: Path) -> None:
+    """check_attention_backend before any weight is read."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(str(path))
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:  # otherwise from_pretrained says what it is
+        check_attention_backend(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -277,13 +277,27 @@ def _set_submodule(model: nn.Module, target: nn.Module, new: nn.Module) -> None:
 def _layers(model) -> list[nn.Module]:
     layers = getattr(model.base_model, "layers", None)
     ok = layers is not None and all(
-        all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        and all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+        all(hasattr(getattr(layer, "self_attn", None), p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and all(hasattr(getattr(layer, "mlp", None), p) for p in ("gate_proj", "up_proj", "down_proj"))
         for layer in layers)
-    if not ok:
-        raise ValueError(f"tensor parallelism supports HF Llama-family models (layers with self_attn.q/k/v/o_proj"
-                         f" and mlp.gate/up/down_proj); {type(model).__name__} is not one")
+    if not ok or not isinstance(getattr(model.config, "intermediate_size", None), int):
+        raise ValueError(f"tensor_parallel_size > 1 supports HF Llama-family models (layers with"
+                         f" self_attn.q/k/v/o_proj and mlp.gate/up/down_proj); {type(model).__name__} is not one")
+    head_dim = head_dim_of(model.config)
+    for layer in layers:
+        for name in ("q_norm", "k_norm"):  # per head (Qwen3) splits with the heads; over all heads (OLMo 2) not
+            norm = getattr(layer.self_attn, name, None)
+            weight = getattr(norm, "weight", None)
+            if weight is not None and weight.numel() != head_dim:
+                raise ValueError(f"tensor_parallel_size > 1 cannot split {type(model).__name__}: its attention's"
+                                 f" {name} normalises across heads ({weight.numel()} features, not one head's"
+                                 f" {head_dim})")
     return list(layers)
+
+
+def check_shardable(model) -> None:
+    """ValueError unless shard_model can split `model` (run before any worker starts)."""
+    _layers(model)
 
 
 def shard_model(model, plan: ShardPlan, rank: int, group=None):
