@@ -77,7 +77,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_model_len=getattr(config, "max_position_embeddings", None), preemption_mode=preemption_mode,
+            max_model_len=_max_model_len(config), preemption_mode=preemption_mode,
             eos_token_ids=_eos_token_ids(self.model, self.tokenizer), seed=seed))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
@@ -276,6 +276,32 @@ def _resolve_dtype(dtype):
         return _DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"dtype must be None, torch.float32 / float16 / bfloat16 or one of {sorted(_DTYPES)},"
                      f" got {dtype!r}")
+
+
+def _max_model_len(config) -> int | None:
+    """The model's context, capped at its sliding window where it has one: the kernels attend over
+    the whole sequence, which equals windowed attention only while a sequence fits in the window, so
+    a longer request is refused up front (add_request) rather than failing mid-generation."""
+    limit = getattr(config, "max_position_embeddings", None)
+    window = sliding_window(config)
+    if window is not None and (limit is None or window < limit):
+        logger.info("kvpage: max_model_len capped at the model's sliding window of %d tokens", window)
+        return window
+    return limit
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window some layer of this model attends within, or None (Mistral sets one; Qwen2 only
+    with use_sliding_window; layer_types, where present, says whether any layer uses it)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def _blocks_for(config, gib: float, block_size: int, dtype) -> int:
