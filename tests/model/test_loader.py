@@ -175,3 +175,13 @@ def test_no_sliding_window_keeps_max_position_embeddings():
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64)) == 512  # not in use
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64, use_sliding_window=True,
                                       max_window_layers=1, num_hidden_layers=2)) == 64
+
+
+def test_seed_none_draws_a_fresh_engine_seed():
+    """vLLM's seed=None: each LLM samples from its own random stream; an int seed repeats it."""
+    import kvpage
+
+    model = tiny_model("llama")
+    seeds = [kvpage.LLM(model=model, num_kv_blocks=16, seed=s).llm_engine.sampler.generator.initial_seed()
+             for s in (None, None, 7, 7)]
+    assert seeds[0] != seeds[1] and seeds[2] == seeds[3] == 7

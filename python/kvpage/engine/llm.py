@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import time
 
 import torch
@@ -33,7 +34,7 @@ class LLM:
     def __init__(self, model=None, block_size: int = 16, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
-                 swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int = 0,
+                 swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto") -> None:
         """kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical)."""
@@ -48,7 +49,7 @@ class LLM:
             raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        _check_seed(seed)
+        seed = _resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = _resolve_tokenizer(tokenizer)
         from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
@@ -242,10 +243,15 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be an int power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 
-def _check_seed(seed) -> None:
+def _resolve_seed(seed) -> int:
+    """The engine-wide sampling seed: an int (the same workload gives the same tokens), or None for a fresh
+    random one per LLM (vLLM's seed=None)."""
+    if seed is None:
+        return secrets.randbits(63)
     # The range torch.Generator.manual_seed takes.
     if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
+    return seed
 
 
 def _resolve_tokenizer(tokenizer):
