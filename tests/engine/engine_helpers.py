@@ -43,15 +43,32 @@ def make_llm(base: kvpage.LLM, **kwargs) -> kvpage.LLM:
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, **kwargs):
-    """[(tokens, per-step logits)] from HF generate(do_sample=False), one prompt at a time (no padding)."""
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, processed: bool = False, **kwargs):
+    """[(tokens, per-step logits)] from HF generate(do_sample=False), one prompt at a time (no padding).
+    processed: the scores greedy chose from (after HF's logits processors: penalties, min_new_tokens)
+    instead of the raw logits."""
     refs = []
     for ids in prompts:
         x = torch.tensor([ids])
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                             output_logits=True, return_dict_in_generate=True, **kwargs)
-        refs.append((out.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in out.logits]))
+                             return_dict_in_generate=True, **{"output_scores" if processed else "output_logits": True},
+                             **kwargs)
+        steps = out.scores if processed else out.logits
+        refs.append((out.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in steps]))
     return refs
+
+
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float = 1.0,
+                        presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
+    """One row of logits, token by token: HF's repetition rule over prompt + output tokens, then vLLM's
+    logit -= frequency * count + presence * (count > 0) over the output tokens."""
+    out = logits.clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] * repetition if out[t] < 0 else out[t] / repetition
+    for t in set(output):
+        out[t] -= frequency * output.count(t)
+        out[t] -= presence
+    return out
 
 
 def assert_greedy_matches(outputs, refs, pad_token_id=None, tie_tolerance=TIE_TOLERANCE) -> int:

@@ -33,13 +33,13 @@ class IncrementalDetokenizer:
         return new
 
 
-def find_stop(text: str, new_len: int, stops: list[str]) -> int:
-    """Index in `text` where the earliest stop string begins, looking only where the last `new_len`
-    characters could complete one; -1 if none."""
-    best = -1
+def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, int] | None:
+    """(start, end) in `text` of the earliest stop string, looking only where the last `new_len`
+    characters could complete one (the first listed wins a tie); None if none."""
+    best = None
     for stop in stops:
         start = max(0, len(text) - new_len - len(stop) + 1)
         i = text.find(stop, start)
-        if i >= 0 and (best < 0 or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, i + len(stop))
     return best

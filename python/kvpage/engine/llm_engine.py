@@ -13,8 +13,8 @@ from typing import Iterable
 from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 
 from .detokenizer import IncrementalDetokenizer, find_stop
-from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler, SampleRow, SamplerOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs
 from .sampling_params import SamplingParams
 
 
@@ -36,6 +36,7 @@ class EngineConfig:
 class _Sample:
     cumulative_logprob: float = 0.0
     detok: IncrementalDetokenizer | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per output token, where params.logprobs is set
 
 
 @dataclass
@@ -46,6 +47,7 @@ class _RequestState:
     stream: bool
     samples: list[_Sample]
     index_of: dict[int, int]  # seq_id -> sample index (the order of the request's sequences)
+    stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: eos (unless ignore_eos) and stop_token_ids
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -67,6 +69,7 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode)
         self.sampler = Sampler(config.seed)
         self._states: dict[str, _RequestState] = {}
+        self._token_text: dict[int, str] = {}  # decoded_token of logprobs, one tokenizer call per id
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -94,9 +97,13 @@ class LLMEngine:
                                              ignore_eos=params.ignore_eos)
         state = _RequestState(request, text, params, stream, [_Sample() for _ in range(params.n)],
                               {request.seqs[0].seq_id: 0})
-        if state.needs_detok:
-            for sample in state.samples:
+        if params.min_tokens:
+            state.stop_ids = tuple(sorted(stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())))
+        for sample in state.samples:
+            if state.needs_detok:
                 sample.detok = IncrementalDetokenizer(len(token_ids))
+            if params.logprobs is not None:
+                sample.logprobs = []
         self._states[request_id] = state
         self.num_prompt_tokens += len(token_ids)
 
@@ -163,13 +170,25 @@ class LLMEngine:
                                f" ({self.scheduler.stats()}); this is a bug")
 
     def _sample(self, rows, logits) -> tuple[list[SampleRow], SamplerOutput]:
-        sample_rows = []
-        for s in rows:
-            state = self._states[s.request_id]
-            index = 0 if s.num_samples > 1 else state.index_of[s.seq_id]
-            position = s.context_len - state.request.num_prompt_tokens
-            sample_rows.append(SampleRow(state.params, s.num_samples, index, position))
+        sample_rows = [self._sample_row(self._states[s.request_id], s) for s in rows]
         return sample_rows, self.sampler(logits, sample_rows)
+
+    @staticmethod
+    def _sample_row(state: _RequestState, s) -> SampleRow:
+        """One row for the sampler; the token history and stop ids only where the request's
+        penalties or min_tokens read them (a plain row carries nothing extra)."""
+        params = state.params
+        index = 0 if s.num_samples > 1 else state.index_of[s.seq_id]
+        position = s.context_len - state.request.num_prompt_tokens
+        row = SampleRow(params, s.num_samples, index, position)
+        if params.uses_penalties:
+            seq = state.request.seqs[index]  # a fork's samples all start from seqs[0], the prompt
+            if params.repetition_penalty != 1.0:
+                row.prompt_token_ids = state.request.prompt_token_ids
+            row.output_token_ids = seq.output_token_ids
+        if position < params.min_tokens:
+            row.stop_token_ids = state.stop_ids
+        return row
 
     @staticmethod
     def _sampled(rows, result: SamplerOutput | None) -> dict[int, int | list[int]]:
@@ -183,13 +202,33 @@ class LLMEngine:
         if result is None:
             return
         now = time.perf_counter()
-        for s, row, tokens, logprobs in zip(rows, sample_rows, result.tokens, result.logprobs):
+        tops = result.top_logprobs or [None] * len(rows)
+        for s, row, tokens, logprobs, top in zip(rows, sample_rows, result.tokens, result.logprobs, tops):
             state = self._states[s.request_id]
             if state.first_token_time is None:
                 state.first_token_time = now
             for k, lp in enumerate(logprobs):
-                state.samples[row.sample_index + k].cumulative_logprob += lp
+                sample = state.samples[row.sample_index + k]
+                sample.cumulative_logprob += lp
+                if top is not None and sample.logprobs is not None:
+                    sample.logprobs.append(self._logprob_dict(tokens[k], lp, top[k]))
             self.num_generation_tokens += len(tokens)
+
+    def _logprob_dict(self, token: int, logprob: float, top: TopLogprobs) -> dict[int, Logprob]:
+        """vLLM's per-token dict: the sampled token first, then the top-k (one entry if it is among them)."""
+        entries = {token: Logprob(logprob, top.rank, self._decoded(token))}
+        for t, lp, rank in zip(top.token_ids, top.logprobs, top.ranks):
+            if t not in entries:
+                entries[t] = Logprob(lp, rank, self._decoded(t))
+        return entries
+
+    def _decoded(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def _process(self, rows) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
@@ -214,14 +253,15 @@ class LLMEngine:
     # -- text ----------------------------------------------------------------------------------
 
     def _detokenize(self, state: _RequestState) -> None:
-        stops = state.params.stop
+        params = state.params
         for seq, sample in zip(state.request.seqs, state.samples):
             new = sample.detok.update(self.tokenizer, seq.token_ids)
-            if not (new and stops):
+            # Before min_tokens output tokens exist a stop string ends nothing (vLLM's StopChecker).
+            if not (new and params.stop) or len(seq.output_token_ids) < params.min_tokens:
                 continue
-            cut = find_stop(sample.detok.text, len(new), stops)
-            if cut >= 0:
-                sample.detok.text = sample.detok.text[:cut]
+            span = find_stop(sample.detok.text, len(new), params.stop)
+            if span is not None:
+                sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
                 self._finish_sequence(state.request, seq)
 
     def _finish_sequence(self, request: Request, seq) -> None:
@@ -248,7 +288,8 @@ class LLMEngine:
             else:
                 text = ""
             completions.append(CompletionOutput(i, text, list(token_ids), reason.value if reason else None,
-                                                sample.cumulative_logprob))
+                                                sample.cumulative_logprob,
+                                                list(sample.logprobs) if sample.logprobs is not None else None))
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
         if state.first_token_time is not None:
             metrics["ttft"] = state.first_token_time - state.arrival_time

@@ -5,15 +5,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in CompletionOutput.logprobs (vLLM's Logprob). logprob: the model's
+    log-softmax before penalties, temperature and filters; rank: 1 + the number of tokens the model
+    makes strictly more likely (1 = most likely); decoded_token: the token alone, decoded (None
+    without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One sample (or beam) of a request. finish_reason: None while running, else "stop" (eos, a stop
-    token id or a stop string), "length" (max_tokens or the model's length) or "abort"."""
+    token id or a stop string), "length" (max_tokens or the model's length) or "abort".
+    logprobs: with SamplingParams(logprobs=k), one {token_id: Logprob} per output token, the sampled
+    token first and the k most likely (k + 1 entries, or k where the sampled one is among them);
+    cumulative_logprob is the sum of the sampled tokens' entries. None without logprobs."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:

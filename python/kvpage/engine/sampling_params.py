@@ -43,6 +43,19 @@ class SamplingParams:
     batch. beam_width > 1 runs beam search (deterministic, as HF generate(num_beams=beam_width,
     do_sample=False)); temperature, top-k/p, seed and n are ignored, and the beam_width best beams
     are returned, best first.
+
+    vLLM's logits options, with vLLM's defaults (engine/sampler.py gives the order they apply in):
+    repetition_penalty (> 0, over prompt and output tokens: a seen token's logit is divided by it
+    where positive, multiplied where negative, as HF's RepetitionPenaltyLogitsProcessor);
+    presence_penalty / frequency_penalty (in [-2, 2], over output tokens: logit -= presence *
+    (count > 0) + frequency * count); min_p (in [0, 1]: after temperature and before top-k / top-p,
+    drop tokens less likely than min_p times the most likely one); min_tokens (<= max_tokens: until
+    that many output tokens exist, eos and stop_token_ids cannot be sampled and stop strings end
+    nothing); logprobs (None, or k >= 0: each CompletionOutput gets one {token_id: Logprob} dict per
+    output token, the sampled token and the k most likely, from the model's log-softmax before
+    penalties, temperature and filters: the distribution cumulative_logprob sums);
+    include_stop_str_in_output (keep the matched stop string in the text). Beam search takes none
+    of the penalties, min_p, min_tokens or logprobs (ValueError naming the field).
     """
 
     n: int = 1
@@ -56,6 +69,13 @@ class SamplingParams:
     ignore_eos: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,10 +88,14 @@ class SamplingParams:
         """
         self._check_ints()
         self._check_floats()
+        self._check_logits_options()
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.use_beam_search:
+            self._check_beam_options()
 
     def _check_ints(self) -> None:
         for name, low in (("n", 1), ("max_tokens", 1), ("beam_width", 1)):
@@ -92,6 +116,33 @@ class SamplingParams:
         if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
+    def _check_logits_options(self) -> None:
+        """vLLM's ranges. An infinite repetition_penalty would turn seen logits into 0 or -inf, and
+        inf - inf = nan, so it must be finite as well as > 0."""
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+
+    def _check_beam_options(self) -> None:
+        """Beam search ranks beams by the model's own log-probabilities (HF's arithmetic, token for
+        token); these options would change what it ranks, so they are refused rather than ignored."""
+        for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with beam search"
+                                 f" (beam_width={self.beam_width}); leave it at {default!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.beam_width > 1
@@ -99,6 +150,11 @@ class SamplingParams:
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Any of the penalties that read the request's tokens (engine/logits_processors.py)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def needs_filter(self) -> bool:
