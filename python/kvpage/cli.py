@@ -21,8 +21,9 @@ DEMO_QUESTIONS = [
 
 def _params(args):
     from kvpage import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          max_tokens=args.max_tokens)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def _llm(args):
@@ -164,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output (HF's rule)")
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
         p.add_argument("--seed", type=int, default=None)
         if name == "generate":
             p.add_argument("prompt")

@@ -73,3 +73,19 @@ def test_chat_ctrl_c_stops_the_reply_then_quits(llm, capsys, monkeypatch):
     assert "[stopped]" in capsys.readouterr().out
     assert len(steps) == 3 and not engine.has_unfinished_requests()
     assert llm.stats()["kv_blocks_used"] == used_before
+
+
+def test_cli_repetition_penalty_reaches_the_sampling_params(llm, capsys, monkeypatch):
+    from kvpage import SamplingParams
+
+    seen = []
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: seen.append(params) or
+                        type(llm).generate(llm, prompts, params, use_tqdm=use_tqdm))
+    argv = ["generate", "hi", "--max-tokens", "2", "--temperature", "0", "--repetition-penalty", "1.3",
+            "--presence-penalty", "0.5", "--frequency-penalty", "-0.25", "--min-p", "0.1"]
+    assert cli.main(argv) == 0
+    assert seen == [SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3, presence_penalty=0.5,
+                                   frequency_penalty=-0.25, min_p=0.1)]
+    assert cli.main(["generate", "hi", "--presence-penalty", "3"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err

@@ -195,7 +195,7 @@ def test_bad_values_of_the_new_options_name_them(name, value):
 
 @pytest.mark.parametrize("name,value", [("repetition_penalty", 1.2), ("presence_penalty", 0.5),
                                         ("frequency_penalty", -0.5), ("min_p", 0.1), ("min_tokens", 2),
-                                        ("logprobs", 0)])
+                                        ("logprobs", 0), ("stop", "\n")])
 def test_beam_search_refuses_the_logits_options(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(beam_width=2, **{name: value})

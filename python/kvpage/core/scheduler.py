@@ -65,6 +65,16 @@ class _Budget:
         return num_tokens <= self.tokens and num_seqs <= self.seqs
 
 
+def check_max_model_len(num_prompt: int, max_tokens: int, max_model_len: int | None, prefix: str = "") -> int:
+    """prompt + max_tokens, or ValueError (message led by prefix) where it exceeds max_model_len: the
+    check add_request and beam search's up-front check share."""
+    total = num_prompt + max_tokens
+    if max_model_len is not None and total > max_model_len:
+        raise ValueError(f"{prefix}prompt of {num_prompt} tokens + max_tokens={max_tokens} = {total}"
+                         f" exceeds max_model_len={max_model_len}")
+    return total
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None, **kwargs) -> None:
         if config is not None and kwargs:
@@ -125,11 +135,7 @@ class Scheduler:
             # A group's decodes go in one step, one token per sequence.
             raise ValueError(f"request {request_id!r}: n={n} exceeds max_num_seqs={cfg.max_num_seqs}"
                              f" or max_num_batched_tokens={cfg.max_num_batched_tokens}")
-        total = num_prompt + max_tokens
-        limit = self.config.max_model_len
-        if limit is not None and total > limit:
-            raise ValueError(f"request {request_id!r}: prompt of {num_prompt} tokens + max_tokens={max_tokens}"
-                             f" = {total} exceeds max_model_len={limit}")
+        total = check_max_model_len(num_prompt, max_tokens, cfg.max_model_len, f"request {request_id!r}: ")
         # Worst case: n private copies of the whole sequence (recompute undoes fork sharing), and
         # admission keeps the watermark free, so only the rest of the cache is ever usable.
         bm = self.bm

@@ -17,6 +17,7 @@ import torch
 
 from kvpage.core import Sequence
 from kvpage.core.block_table import num_blocks_for
+from kvpage.core.scheduler import check_max_model_len
 
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -174,11 +175,7 @@ def check_beam_request(engine, prompt, prompt_token_ids: list[int] | None,
     LLMEngine.add_request makes, done before LLM.generate runs anything."""
     params.validate()
     text, token_ids = engine.tokenize_prompt(prompt, prompt_token_ids)
-    total = len(token_ids) + params.max_tokens
-    limit = engine.config.max_model_len
-    if limit is not None and total > limit:
-        raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total}"
-                         f" exceeds max_model_len={limit}")
+    total = check_max_model_len(len(token_ids), params.max_tokens, engine.config.max_model_len)
     bm = engine.block_manager
     need = params.beam_width * num_blocks_for(total, bm.block_size)
     if need > bm.device.num_blocks:  # the run happens on the idle engine: every block may be free

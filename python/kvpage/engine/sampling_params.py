@@ -142,6 +142,9 @@ class SamplingParams:
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with beam search"
                                  f" (beam_width={self.beam_width}); leave it at {default!r}")
+        if self.stop:  # beams end on token ids only: a stop string would be silently ignored
+            raise ValueError(f"stop={self.stop!r} is not supported with beam search (beam_width={self.beam_width});"
+                             f" use stop_token_ids")
 
     @property
     def greedy(self) -> bool:
