@@ -185,3 +185,13 @@ def test_seed_none_draws_a_fresh_engine_seed():
     seeds = [kvpage.LLM(model=model, num_kv_blocks=16, seed=s).llm_engine.sampler.generator.initial_seed()
              for s in (None, None, 7, 7)]
     assert seeds[0] != seeds[1] and seeds[2] == seeds[3] == 7
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(num_kv_blocks=10**9), "num_kv_blocks"),
+                                         (dict(swap_space_gib=10**5), "swap_space_gib")])
+def test_llm_refuses_a_kv_cache_beyond_free_memory(kwargs, name):
+    """On Linux such a cache would be OOM-killed while zero-filling (overcommit): a crash, not an error."""
+    import kvpage
+
+    with pytest.raises(ValueError, match=name):
+        kvpage.LLM(model=tiny_model("llama"), **kwargs)

@@ -412,11 +412,26 @@ def test_cpu_kernel_rejects_tensors_on_another_device(op, make_args, changes, na
     pytest.param(dict(dtype="float32"), TypeError, "dtype", id="str-dtype"),
     # No CUDA here, or no 100th GPU there: torch's assertion or error, named.
     pytest.param(dict(device="cuda:99"), RuntimeError, "device 'cuda:99'", id="unavailable-device"),
+    # 1.2 TB: past any machine's free memory, where Linux would OOM-kill the zero-fill instead of failing.
+    pytest.param(dict(num_blocks=10**7, num_kv_heads=8, head_size=128), RuntimeError, "num_blocks=10000000 needs",
+                 id="beyond-free-memory"),
 ])
 def test_allocate_kv_cache_rejects(kwargs, error, match):
     args = {**dict(num_blocks=4, block_size=16, num_kv_heads=2, head_size=64), **kwargs}
     with pytest.raises(error, match=match):
         ops.allocate_kv_cache(**args)
+
+
+def test_allocate_kv_cache_checks_what_is_free_now(monkeypatch):
+    """The limit is the memory free at the call (MemAvailable, a cgroup's limit), not a constant."""
+    from kvpage.ops import memory
+
+    need = 2 * 64 * 2 * 16 * 64 * 4  # K and V of 64 blocks
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
+    with pytest.raises(RuntimeError, match="only 0.00 GiB of memory is available"):
+        ops.allocate_kv_cache(64, 16, 2, 64)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need)
+    assert ops.allocate_kv_cache(64, 16, 2, 64)[0].shape == (64, 2, 16, 64)
 
 
 # -- range checks ------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ class LLM:
         else:
             num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
             num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
+            self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
                                       kv_cache_dtype=self.kv_cache_dtype)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
@@ -84,6 +85,24 @@ class LLM:
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
                     num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
         self._counter = itertools.count()
+
+    def _check_kv_memory(self, num_kv_blocks: int, num_host_blocks: int, block_size: int) -> None:
+        """ValueError naming num_kv_blocks / swap_space_gib where the caches cannot fit in the free memory
+        (a CPU cache past it would be OOM-killed while zero-filling, not raise)."""
+        from kvpage.model import kv_cache_bytes_per_block
+        from kvpage.ops.memory import available_bytes, gib
+
+        per_block = kv_cache_bytes_per_block(self.model.config, block_size, self.kv_cache_dtype)
+        device = next(self.model.parameters()).device
+        host = torch.device("cpu")
+        needs = {device: num_kv_blocks * per_block}
+        needs[host] = needs.get(host, 0) + num_host_blocks * per_block
+        for where, need in needs.items():
+            free = available_bytes(where)
+            if free is not None and need > free:
+                raise ValueError(f"the KV cache needs {gib(need)} on {where} (num_kv_blocks={num_kv_blocks}, host"
+                                 f" swap pool {num_host_blocks} blocks from swap_space_gib) but only {gib(free)}"
+                                 f" is free: lower num_kv_blocks or swap_space_gib")
 
     def _blocks_for_budget(self, block_size: int) -> int:
         device = next(self.model.parameters()).device

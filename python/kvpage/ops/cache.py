@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from kvpage.ops import _checks
+from kvpage.ops import _checks, memory
 from kvpage.ops._library import ops
 from kvpage.ops.config import range_checks_enabled
 
@@ -30,6 +30,7 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     if dtype not in _checks.CACHE_DTYPES:
         raise TypeError(f"dtype must be one of {_checks.CACHE_DTYPES}, got {dtype}")
     shape = (num_blocks, num_kv_heads, block_size, head_size)
+    _check_fits(device, 2 * torch.Size(shape).numel() * dtype.itemsize, num_blocks)
     try:
         device = torch.device(device)
         if device.type == "cpu":
@@ -37,6 +38,20 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     except (AssertionError, RuntimeError, TypeError) as e:  # torch says "not compiled with CUDA" by assert
         raise RuntimeError(f"allocate_kv_cache: cannot allocate on device '{device}': {e}") from e
+
+
+def _check_fits(device, nbytes: int, num_blocks: int) -> None:
+    """CPU only: a cache beyond the free memory would be OOM-killed while zero-filling (CUDA raises)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return  # the allocation itself names the bad device
+    if device.type != "cpu":
+        return
+    available = memory.available_bytes(device)
+    if available is not None and nbytes > available:
+        raise RuntimeError(f"allocate_kv_cache: num_blocks={num_blocks} needs {memory.gib(nbytes)} for the key and"
+                           f" value caches, but only {memory.gib(available)} of memory is available")
 
 
 _HUGE_PAGE = 2 << 20
