@@ -42,7 +42,10 @@ def test_config_the_kernels_cannot_serve():
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(num_blocks=0), "num_blocks"), (dict(block_size=12), "block_size"),
-                                          (dict(dtype="float32"), "dtype")])
+                                          (dict(dtype="float32"), "dtype"),
+                                          # past int32 block ids; past any machine's memory (2 PB of K/V)
+                                          (dict(num_blocks=2**31), "num_blocks"),
+                                          (dict(num_blocks=2**31 - 1, block_size=256), "num_blocks=2147483647 needs")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         PagedCache(tiny_config("llama"), **kwargs)

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpage import ops
+from kvpage.ops import memory
 from kvpage.core import BlockPool
 from kvpage.model.attention import (ATTN_IMPLEMENTATION, PAGED_CACHE_KWARG, head_dim_of, paged_attention_forward,
                                     validate_config)
@@ -43,6 +44,7 @@ from .row_tables import OutOfBlocks, RowTables
 # out the lowest free id first, so the ids in use stay packed at the bottom and the tensors only ever
 # need to span the peak number of blocks held (4M tokens at block_size 16: more than any memory).
 _GROWABLE_BLOCK_IDS = 1 << 18
+_MAX_BLOCK_ID = 2**31 - 1  # block tables are int32
 _GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, allocated <= 1.25x peak used
 
 
@@ -117,6 +119,8 @@ class PagedCache(Cache):
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = _device(device)
+        if num_blocks is not None:
+            self._check_pool_fits(num_blocks)
         self.pool = BlockPool(num_blocks if num_blocks is not None else _GROWABLE_BLOCK_IDS)
         self.tables = RowTables(self.pool, block_size)
         self.kv_caches: list[KVCache] = []  # per layer (key_cache, value_cache), from ops.allocate_kv_cache
@@ -127,6 +131,21 @@ class PagedCache(Cache):
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
 
     # -- transformers' Cache API -----------------------------------------------------------------
+
+    def _check_pool_fits(self, num_blocks: int) -> None:
+        """A fixed pool's K/V, at the smallest size its dtype could have, must fit in the free memory of
+        its device (of any device, while that is not known yet): else a ValueError now, not an
+        OOM kill (or a MemoryError from the pool's bookkeeping) later."""
+        if num_blocks > _MAX_BLOCK_ID + 1:
+            raise ValueError(f"num_blocks must be at most {_MAX_BLOCK_ID + 1} (block ids are int32), got {num_blocks}")
+        itemsize = (self.kv_cache_dtype or self.dtype or torch.float16).itemsize
+        need = num_blocks * 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_size * itemsize
+        devices = [self.device] if self.device is not None else [torch.device("cpu")] + (
+            [torch.device("cuda")] if torch.cuda.is_available() else [])
+        free = [memory.available_bytes(d) for d in devices]
+        if None not in free and need > max(free):
+            raise ValueError(f"num_blocks={num_blocks} needs at least {memory.gib(need)} of K/V, but only"
+                             f" {memory.gib(max(free))} is free")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict | None = None, *args, **unused) -> tuple[torch.Tensor, torch.Tensor]:
