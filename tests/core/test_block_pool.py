@@ -83,3 +83,15 @@ def test_lookup_compares_contents_not_only_the_hash():
     impostor = BlockKey(ROOT_HASH, pack_tokens([3, 4]), ())
     assert pool.cache.lookup(key.digest(), impostor) is None
     assert pool.cache.lookup(key.digest(), key) == block
+
+
+@pytest.mark.parametrize("num_blocks,match", [(2**31 + 1, "at most 2147483648"),
+                                              (2**31, "bookkeeping alone needs")])
+def test_a_pool_too_large_to_keep_is_refused(num_blocks, match, monkeypatch):
+    """Past int32 block ids, or past the free memory for the pool's own lists (96 GiB at 2**31 blocks:
+    Linux would OOM-kill the process filling them, not raise)."""
+    from kvpage.core import block_pool
+
+    monkeypatch.setattr(block_pool, "available_host_bytes", lambda: 2**34)  # 16 GiB free, whatever this machine has
+    with pytest.raises(ValueError, match=match):
+        BlockPool(num_blocks)

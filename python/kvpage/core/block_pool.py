@@ -1,7 +1,23 @@
 """A pool of physical KV blocks on one device: O(1) allocate and free, one ref count per block."""
 from __future__ import annotations
 
+from .host_memory import available_host_bytes, gib
 from .prefix_cache import PrefixCache
+
+
+MAX_NUM_BLOCKS = 2**31  # block ids go to the kernels as int32
+# Host bytes per block of the pool's own lists: a ref-count slot, a free-list slot and its int object.
+_BOOKKEEPING_BYTES_PER_BLOCK = 48
+
+
+def _check_bookkeeping_fits(num_blocks: int) -> None:
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ValueError(f"num_blocks must be at most {MAX_NUM_BLOCKS} (block ids are int32), got {num_blocks}")
+    need = num_blocks * _BOOKKEEPING_BYTES_PER_BLOCK
+    free = available_host_bytes()
+    if free is not None and need > free:
+        raise ValueError(f"num_blocks={num_blocks}: the block pool's bookkeeping alone needs {gib(need)},"
+                         f" but only {gib(free)} of memory is free")
 
 
 class BlockPool:
@@ -14,6 +30,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        _check_bookkeeping_fits(num_blocks)
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         # A stack: popping from the end hands out block 0 first and keeps both ends O(1).

@@ -44,7 +44,6 @@ from .row_tables import OutOfBlocks, RowTables
 # out the lowest free id first, so the ids in use stay packed at the bottom and the tensors only ever
 # need to span the peak number of blocks held (4M tokens at block_size 16: more than any memory).
 _GROWABLE_BLOCK_IDS = 1 << 18
-_MAX_BLOCK_ID = 2**31 - 1  # block tables are int32
 _GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, allocated <= 1.25x peak used
 
 
@@ -136,8 +135,6 @@ class PagedCache(Cache):
         """A fixed pool's K/V, at the smallest size its dtype could have, must fit in the free memory of
         its device (of any device, while that is not known yet): else a ValueError now, not an
         OOM kill (or a MemoryError from the pool's bookkeeping) later."""
-        if num_blocks > _MAX_BLOCK_ID + 1:
-            raise ValueError(f"num_blocks must be at most {_MAX_BLOCK_ID + 1} (block ids are int32), got {num_blocks}")
         itemsize = (self.kv_cache_dtype or self.dtype or torch.float16).itemsize
         need = num_blocks * 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_size * itemsize
         devices = [self.device] if self.device is not None else [torch.device("cpu")] + (
