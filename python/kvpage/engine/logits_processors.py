@@ -3,9 +3,9 @@ and frequency penalties (vLLM's names and semantics; the repetition penalty is H
 RepetitionPenaltyLogitsProcessor, the same float ops).
 
 They run, in vLLM's order, on the raw logits before temperature: min_tokens, then repetition, then
-frequency and presence. Each works on the whole batch of rows that use it at once: one bincount over
-all rows' output tokens (flat index row * vocab + token) gives every count, one scatter the prompt
-masks. Rows that use none of them are never touched, and nothing here runs for a batch without them.
+frequency and presence. Each works on the whole batch of rows that use it at once, through the flat
+index row * vocab + token of the tokens each row has seen: one unique() gives every count, and only
+those entries are read and written. Rows that use none of them are never touched, and nothing here runs for a batch without them.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torc
     if held:
         apply_min_tokens(logits, held, rows)
     penalised = [k for k, row in enumerate(rows) if row.params.uses_penalties]
-    if penalised:
+    if len(penalised) == len(rows):
+        apply_penalties(logits, rows)  # in place, no gather of the rows
+    elif penalised:
         index = torch.tensor(penalised)
         logits[index] = apply_penalties(logits[index], [rows[k] for k in penalised])
     return logits
@@ -55,43 +57,45 @@ def apply_min_tokens(logits: torch.Tensor, held: list[int], rows: list[SampleRow
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition (over prompt and output tokens), then frequency and presence (output tokens only),
-    on logits [len(rows), vocab]; every row here uses at least one of them."""
+    on logits [len(rows), vocab] (contiguous), in place; every row here uses at least one of them.
+
+    Only the (row, token) entries a row has seen are read and written (a gather and a scatter over
+    the flat index row * vocab + token): a few hundred per row, not the whole vocabulary."""
     num_rows, vocab = logits.shape
     for row in rows:
         if row.output_token_ids is None or (row.params.repetition_penalty != 1.0 and row.prompt_token_ids is None):
             raise ValueError("a SampleRow whose params use penalties needs its output_token_ids (and its"
                              " prompt_token_ids for repetition_penalty)")
-    counts = bincount_rows([row.output_token_ids for row in rows], num_rows, vocab)
+    flat_logits = logits.view(-1)
+    outputs = flat_token_index([row.output_token_ids for row in rows], vocab)
     repetition = [row.params.repetition_penalty for row in rows]
     if any(p != 1.0 for p in repetition):
         # Rows with no repetition penalty contribute no prompt tokens: their factor is 1 anyway.
-        prompts = [row.prompt_token_ids if p != 1.0 else [] for row, p in zip(rows, repetition)]
-        seen = (bincount_rows(prompts, num_rows, vocab) > 0) | (counts > 0)
-        logits = apply_repetition_penalty(logits, seen, torch.tensor(repetition))
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows]).unsqueeze(1)
-    presence = torch.tensor([row.params.presence_penalty for row in rows]).unsqueeze(1)
-    if frequency.any() or presence.any():
-        counts = counts.to(logits.dtype)
-        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+        prompts = flat_token_index([row.prompt_token_ids if p != 1.0 else [] for row, p in zip(rows, repetition)],
+                                   vocab)
+        seen = torch.cat([prompts, outputs]).unique()
+        factor = torch.tensor(repetition, dtype=logits.dtype)[seen // vocab]
+        flat_logits[seen] = apply_repetition_penalty(flat_logits[seen], factor)
+    frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=logits.dtype)
+    presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=logits.dtype)
+    if (frequency.any() or presence.any()) and outputs.numel():
+        index, counts = outputs.unique(return_counts=True)
+        row_of = index // vocab
+        flat_logits[index] = flat_logits[index] - frequency[row_of] * counts.to(logits.dtype) - presence[row_of]
     return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """HF's rule, seen tokens only: logit * penalty where negative, logit / penalty otherwise (a
-    penalty > 1 makes a seen token less likely either way)."""
-    p = penalty.to(logits.dtype).unsqueeze(1)
-    penalised = torch.where(logits < 0, logits * p, logits / p)
-    return torch.where(seen, penalised, logits)
+def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF's rule for seen tokens: logit * penalty where negative, logit / penalty otherwise (a penalty
+    > 1 makes a seen token less likely either way)."""
+    return torch.where(logits < 0, logits * penalty, logits / penalty)
 
 
-def bincount_rows(token_ids: list[list[int]], num_rows: int, vocab: int) -> torch.Tensor:
-    """counts [num_rows, vocab]: how often each token occurs in each row's list (one bincount)."""
+def flat_token_index(token_ids: list[list[int]], vocab: int) -> torch.Tensor:
+    """row * vocab + token for every token of every row's list (repeats kept: they are the counts)."""
     lengths = torch.tensor([len(ids) for ids in token_ids])
     flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
-    if flat.numel() == 0:
-        return torch.zeros(num_rows, vocab, dtype=torch.int64)
-    if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab}) to be penalised,"
                          f" got {int(flat.min())}..{int(flat.max())}")
-    row_of = torch.repeat_interleave(torch.arange(num_rows), lengths)
-    return torch.bincount(row_of * vocab + flat, minlength=num_rows * vocab).view(num_rows, vocab)
+    return torch.repeat_interleave(torch.arange(len(token_ids)), lengths) * vocab + flat

@@ -104,7 +104,13 @@ class Sampler:
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         if greedy:
             g = torch.tensor(greedy)
-            tokens[g] = _processed(logits[g], [flat[j][0] for j in greedy]).argmax(dim=-1)
+            greedy_rows = [flat[j][0] for j in greedy]
+            if any(needs_processing(row) for row in greedy_rows):
+                tokens[g] = apply_logits_processors(logits[g], greedy_rows).argmax(dim=-1)
+            elif len(greedy) == len(flat):  # e.g. greedy with logprobs: no copy to take
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens[g] = logits[g].argmax(dim=-1)
         rand = [j for j, (row, _) in enumerate(flat) if not row.params.greedy]
         if not rand:
             return tokens
@@ -167,28 +173,46 @@ def _min_p(scaled: torch.Tensor, min_ps: list[float]) -> None:
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
               rows: list[SampleRow]) -> tuple[list[float], list[TopLogprobs | None] | None]:
     """The sampled tokens' log-probabilities under the raw logits, and the rank and top-k of the rows
-    that ask for logprobs (one log-softmax and one topk over those rows)."""
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    sampled = chosen - torch.logsumexp(logits, dim=-1)
+    that ask for logprobs: one log-softmax and one topk over those rows (a logsumexp for the others)."""
     want = [j for j, row in enumerate(rows) if row.params.logprobs is not None]
     if not want:
-        return sampled.tolist(), None
+        return _sampled_logprobs(logits, tokens).tolist(), None
+    sampled = torch.empty(len(rows))
+    rest = [j for j, row in enumerate(rows) if row.params.logprobs is None]
+    if rest:
+        r = torch.tensor(rest)
+        sampled[r] = _sampled_logprobs(logits[r], tokens[r])
     w = torch.tensor(want)
-    logp = logits[w].log_softmax(dim=-1)
+    logp = (logits if not rest else logits[w]).log_softmax(dim=-1)
     # Reported from the same tensor as the top-k, so a token's value is one number everywhere.
     own = logp.gather(1, tokens[w].unsqueeze(1))
     sampled[w] = own.squeeze(1)
-    ranks = ((logp > own).sum(dim=-1) + 1).tolist()
     k = min(max(rows[j].params.logprobs for j in want), logp.shape[1])
-    values, ids = logp.topk(k, dim=-1)
-    # Within a sorted top-k, 1 + the values strictly above each one: ties share a rank, as for `ranks`.
-    top_ranks = (torch.searchsorted(-values, -values, side="left") + 1).tolist()
-    values, ids = values.tolist(), ids.tolist()
+    values, ids = logp.topk(max(k, 1), dim=-1)
+    # Within a sorted top-k, 1 + the values strictly above each one: ties share a rank.
+    top_ranks = torch.searchsorted(-values, -values, side="left") + 1
+    ranks = _ranks(logp, own, ids == tokens[w].unsqueeze(1), top_ranks).tolist()
+    values, ids, top_ranks = values.tolist(), ids.tolist(), top_ranks.tolist()
     top: list[TopLogprobs | None] = [None] * len(rows)
     for i, j in enumerate(want):
         n = rows[j].params.logprobs
         top[j] = TopLogprobs(ranks[i], ids[i][:n], values[i][:n], top_ranks[i][:n])
     return sampled.tolist(), top
+
+
+def _sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def _ranks(logp: torch.Tensor, own: torch.Tensor, in_top: torch.Tensor, top_ranks: torch.Tensor) -> torch.Tensor:
+    """1 + the number of tokens more likely than the sampled one. A sampled token inside the top-k (a
+    greedy one always is) has its rank there, since every more likely token is in the top-k too; only
+    the others count over the whole vocabulary."""
+    ranks = top_ranks.gather(1, in_top.int().argmax(dim=1, keepdim=True)).squeeze(1)
+    missed = (~in_top.any(dim=1)).nonzero().squeeze(1)
+    if missed.numel():
+        ranks[missed] = (logp[missed] > own[missed]).sum(dim=-1) + 1
+    return ranks
 
 
 def _scale(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
