@@ -79,6 +79,7 @@ class Arrival:
     max_tokens: int
     n: int = 1
     abort_at: int | None = None  # the step at which to abort it, if any
+    prompt_logits: bool = False  # prompt_logprobs: the prompt's logits come back, each position once
 
 
 @dataclass
@@ -91,6 +92,8 @@ class RunResult:
     total_scheduled_tokens: int = 0
     rejected: list[str] = field(default_factory=list)
     num_failed_steps: int = 0
+    # Per prompt_logits request, the prompt positions whose logits taken steps returned, in order.
+    prompt_logit_positions: dict[str, list[int]] = field(default_factory=dict)
 
 
 def check_output(scheduler: Scheduler, out: SchedulerOutput) -> None:
@@ -104,6 +107,11 @@ def check_output(scheduler: Scheduler, out: SchedulerOutput) -> None:
         seq = scheduler._seqs[s.seq_id]
         assert s.start == seq.num_computed_tokens and s.context_len <= seq.num_tokens
         assert s.do_sample == (s.context_len == seq.num_tokens)
+        request = scheduler.requests[s.request_id]
+        if request.prompt_logits_pending:  # no prefix hit, no chunk, may skip a position still owed
+            assert s.start <= request.num_prompt_logits_done
+            assert s.prompt_logit_positions.start == max(s.start, request.num_prompt_logits_done)
+        assert s.prompt_logit_positions == request.prompt_logit_positions(s.start, s.context_len)
     assert not (out.blocks_to_swap_in and out.preempted), "swap-in in a step that preempted"
     # Sources may repeat (two victims sharing a prefix-cache block each take a host copy); targets may not.
     for pairs in (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy):
@@ -138,7 +146,10 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 100_00
             a = pending.pop(0)
             try:
                 requests[a.request_id] = scheduler.add_request(a.request_id, a.prompt, max_tokens=a.max_tokens,
-                                                               n=a.n, eos_token_id=eos)
+                                                               n=a.n, eos_token_id=eos,
+                                                               prompt_logits=a.prompt_logits)
+                if a.prompt_logits:
+                    result.prompt_logit_positions[a.request_id] = []
             except ValueError:
                 if not allow_rejects:
                     raise
@@ -155,6 +166,9 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 100_00
         else:
             result.total_scheduled_tokens += out.num_batched_tokens
             scheduler.update_from_output(out, sampled)
+            for s in out.scheduled:
+                if s.prompt_logit_positions and s.request_id in result.prompt_logit_positions:
+                    result.prompt_logit_positions[s.request_id] += s.prompt_logit_positions
         if check_every_step:
             check_block_manager(scheduler.bm, all_seqs(scheduler))
         step += 1

@@ -94,6 +94,17 @@ def test_8_kv_heads_prefix_caching_beam_search_logits_memory(tiny):
         assert ([o.outputs[0].token_ids for o in tp2.generate(prompts[:3], beam, use_tqdm=False)] ==
                 [o.outputs[0].token_ids for o in tp1.generate(prompts[:3], beam, use_tqdm=False)])
 
+        # prompt_logprobs: the prompt rows' logits come through the sharded LM head like the sampled ones.
+        asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+        pairs = zip(tp2.generate(prompts[:3], asked, use_tqdm=False), tp1.generate(prompts[:3], asked, use_tqdm=False))
+        for a, b in pairs:
+            assert a.prompt_logprobs[0] is None
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+            for token, x, y in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert next(iter(x)) == next(iter(y)) == token
+                torch.testing.assert_close(torch.tensor(x[token].logprob), torch.tensor(y[token].logprob),
+                                           atol=LOGITS_ATOL, rtol=0)
+
         full = tp1.stats()["kv_cache_bytes_per_rank"][0]
         assert tp2.stats()["kv_cache_bytes_per_rank"] == [full // 2, full // 2]
         assert_logits_match(model, tp2, prompts[:5])

@@ -1,6 +1,8 @@
 """Prompts, the HF reference and the greedy comparison shared by the engine tests."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 import kvpage
@@ -34,6 +36,8 @@ PROMPTS = [
     "Here is a haiku about autumn:\n",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+# kvpage's log-softmax against HF's: two fp32 forward passes with different summation orders.
+LOGPROB_TOLERANCE = dict(atol=5e-4, rtol=1e-5)
 
 
 def make_llm(base: kvpage.LLM, **kwargs) -> kvpage.LLM:
@@ -90,3 +94,26 @@ def assert_greedy_matches(outputs, refs, pad_token_id=None, tie_tolerance=TIE_TO
         else:
             assert len(got) == len(expected), f"prompt {k}: kvpage {got}\nHF {expected}"
     return ties
+
+
+def check_logprob_dicts(tokenizer, logp: torch.Tensor, tokens: list[int], dicts: list[dict], k: int) -> None:
+    """vLLM-style {token_id: Logprob} dicts against HF's log-softmax rows logp [len(tokens), vocab]: per
+    position the given token first, then the k most likely; each logprob, rank (up to near-ties) and
+    decoded_token as HF's model has them."""
+    tol = LOGPROB_TOLERANCE["atol"]
+    assert len(dicts) == len(tokens)
+    for i, (token, entries) in enumerate(zip(tokens, dicts)):
+        assert next(iter(entries)) == token  # the sampled (or prompt) token first, as vLLM
+        assert len(entries) in (k, k + 1)
+        top = [t for t in entries if t != token or len(entries) == k]  # the k most likely
+        kth = logp[i].topk(k).values[-1].item() if k else math.inf
+        for t, entry in entries.items():
+            expected = logp[i, t]
+            torch.testing.assert_close(torch.tensor(entry.logprob), expected, **LOGPROB_TOLERANCE)
+            # rank: 1 + the tokens HF makes more likely, up to the tolerance's near-ties
+            assert 1 + (logp[i] > expected + tol).sum() <= entry.rank <= 1 + (logp[i] > expected - tol).sum()
+            assert entry.decoded_token == tokenizer.decode([t])
+            if t in top:
+                assert expected >= kth - tol
+        if len(entries) == k + 1:
+            assert logp[i, token] <= kth + tol

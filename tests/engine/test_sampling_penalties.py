@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine_helpers import PROMPTS, assert_greedy_matches, hf_generate, reference_penalties
+from engine_helpers import PROMPTS, assert_greedy_matches, check_logprob_dicts, hf_generate, reference_penalties
 from kvpage import SamplingParams
 from kvpage.engine import Sampler, SampleRow
 
@@ -16,9 +16,6 @@ from kvpage.engine import Sampler, SampleRow
 REPEATING = [PROMPTS[3], PROMPTS[12], PROMPTS[14], PROMPTS[1]]
 # kvpage's and HF's fp32 log-probabilities differ by the logits' summation order (kvpage's kernels vs
 # sdpa): up to 5.5e-5 over 8 prompts x 16 sampled tokens x 6 entries here; the bound leaves ~10x.
-LOGPROB_TOLERANCE = dict(atol=5e-4, rtol=1e-5)
-
-
 def hf_processed(model, prompts: list[list[int]], max_new_tokens: int, **kwargs):
     """HF generate's tokens and the processed scores greedy chose from (assert_greedy_matches' near-tie check)."""
     return hf_generate(model, prompts, max_new_tokens, processed=True, **kwargs)
@@ -139,22 +136,7 @@ def _check_logprobs(llm, hf_model, out, k: int) -> None:
     c = out.outputs[0]
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
     logp = hf_log_softmax(hf_model, out.prompt_token_ids, c.token_ids)
-    for i, (token, entries) in enumerate(zip(c.token_ids, c.logprobs)):
-        assert next(iter(entries)) == token  # the sampled token first, as vLLM
-        assert len(entries) in (k, k + 1)
-        top = [t for t in entries if t != token or len(entries) == k]  # the k most likely
-        kth = logp[i].topk(k).values[-1].item() if k else math.inf
-        tol = LOGPROB_TOLERANCE["atol"]
-        for t, entry in entries.items():
-            expected = logp[i, t]
-            torch.testing.assert_close(torch.tensor(entry.logprob), expected, **LOGPROB_TOLERANCE)
-            # rank: 1 + the tokens HF makes more likely, up to the tolerance's near-ties
-            assert 1 + (logp[i] > expected + tol).sum() <= entry.rank <= 1 + (logp[i] > expected - tol).sum()
-            assert entry.decoded_token == llm.tokenizer.decode([t])
-            if t in top:
-                assert expected >= kth - tol
-        if len(entries) == k + 1:
-            assert logp[i, token] <= kth + tol
+    check_logprob_dicts(llm.tokenizer, logp, c.token_ids, c.logprobs, k)
     # cumulative_logprob sums the same numbers the dicts hold.
     assert math.isclose(c.cumulative_logprob, sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)),
                         abs_tol=1e-9)

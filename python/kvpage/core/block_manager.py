@@ -69,21 +69,23 @@ class BlockManager:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def lookup_prefix(self, seq: Sequence) -> int:
+    def lookup_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
         """Tokens of `seq` the prefix cache already holds, so need not compute; takes nothing.
 
         A whole number of blocks, except on a full hit (every block of the prompt cached), where the
-        last token still runs for its logits: then len - 1.
+        last token still runs for its logits: then len - 1. use_prefix_cache=False (here and in
+        can_allocate / allocate): read nothing from the cache, for a prompt that must be computed
+        whole (prompt_logprobs); its blocks are still cached once full.
         """
-        return self._num_hit_tokens(seq, self._match_prefix(seq))
+        return self._num_hit_tokens(seq, self._match_prefix(seq, use_prefix_cache))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> bool:
         """Whether `allocate(seq, num_new_tokens)` fits and still leaves the watermark free."""
-        hits = self._match_prefix(seq)
+        hits = self._match_prefix(seq, use_prefix_cache)
         num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens)
         return num_new_blocks + num_revived <= self.device.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> int:
         """Give a waiting sequence blocks for its cached prefix plus the next `num_new_tokens` tokens.
 
         `num_new_tokens` counts tokens past the cached prefix to compute this step (None: all the
@@ -92,7 +94,7 @@ class BlockManager:
         """
         if seq.block_table or seq.swapped:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; allocate is for waiting sequences")
-        hits = self._match_prefix(seq)
+        hits = self._match_prefix(seq, use_prefix_cache)
         num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens)
         needed = num_new_blocks + num_revived
         if needed > self.device.num_free_blocks:
@@ -105,7 +107,7 @@ class BlockManager:
         seq.block_table = hits + [pool.allocate() for _ in range(num_new_blocks)]
         num_cached = self._num_hit_tokens(seq, hits)
         seq.num_computed_tokens = num_cached
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_prefix_cache:
             self._queried_tokens += len(seq.token_ids)
             self._hit_tokens += num_cached
         return num_cached
@@ -125,9 +127,9 @@ class BlockManager:
             return []
         return [self._block_hash(seq, i) for i in range(start // self.block_size, end // self.block_size)]
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
+    def _match_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> list[int]:
         cache = self._cache
-        if cache is None or seq.block_table:
+        if cache is None or seq.block_table or not use_prefix_cache:
             return []
         hits: list[int] = []
         for i in range(len(seq.token_ids) // self.block_size):

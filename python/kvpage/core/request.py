@@ -53,6 +53,10 @@ class Request:
     # First admission only: a request resumed after preemption keeps its place (see policies).
     admit_order: int = -1
     finish_reasons: dict[int, FinishReason] = field(default_factory=dict)
+    # prompt_logprobs: the runner returns the logits of prompt positions [0, num_prompt_tokens - 1) once
+    # each; num_prompt_logits_done counts the leading ones a taken step has delivered.
+    wants_prompt_logits: bool = False
+    num_prompt_logits_done: int = 0
     num_preemptions: int = 0
     # Steps (schedule() calls) at arrival, first scheduled token and finish, for latency accounting.
     arrival_step: int = 0
@@ -71,6 +75,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return self.seqs[0].num_prompt_tokens
+
+    @property
+    def prompt_logits_pending(self) -> bool:
+        """Prompt logits still owed: until then the prompt is computed, never taken from the prefix cache."""
+        return self.wants_prompt_logits and self.num_prompt_logits_done < self.num_prompt_tokens - 1
+
+    def prompt_logit_positions(self, start: int, end: int) -> range:
+        """Of the positions [start, end) a step computes, those whose logits prompt_logprobs still needs."""
+        if not self.wants_prompt_logits:
+            return range(0)
+        return range(max(start, self.num_prompt_logits_done), max(start, min(end, self.num_prompt_tokens - 1)))
 
     def live_seqs(self) -> list[Sequence]:
         return [seq for seq in self.group.seqs if seq.seq_id not in self.finish_reasons]

@@ -107,8 +107,11 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: Iterable[int], *, max_tokens: int = 16, n: int = 1,
                     eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
-                    ignore_eos: bool = False, extra_keys: tuple = ()) -> Request:
-        """Queue a request, or raise ValueError naming it if it could never run (nothing is queued then)."""
+                    ignore_eos: bool = False, extra_keys: tuple = (), prompt_logits: bool = False) -> Request:
+        """Queue a request, or raise ValueError naming it if it could never run (nothing is queued then).
+        prompt_logits: each prompt position's logits (but the last's, which samples) come back once, in
+        some step's prompt_logit_positions (prompt_logprobs); the prompt is then not read from the prefix
+        cache, as in vLLM, though its blocks are cached for others."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         for name, value in (("max_tokens", max_tokens), ("n", n)):
@@ -121,7 +124,7 @@ class Scheduler:
         self._next_seq_id += 1
         request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, eos_token_id,
                           frozenset(stop_token_ids), ignore_eos, arrival_order=self._next_arrival,
-                          arrival_step=self.step)
+                          arrival_step=self.step, wants_prompt_logits=bool(prompt_logits))
         self._next_arrival += 1
         self.requests[request_id] = request
         self._seqs[seq.seq_id] = seq
@@ -235,7 +238,8 @@ class Scheduler:
             # and then hits it, rather than computing it again (SGLang's in-batch prefix caching).
             # Every request sharing a system prompt would otherwise recompute it in the first step.
             head = request.live_seqs()[0]
-            if self._blocks_in_flight and self.bm.next_uncached_block_hash(head) in self._blocks_in_flight:
+            if (self._blocks_in_flight and not request.prompt_logits_pending
+                    and self.bm.next_uncached_block_hash(head) in self._blocks_in_flight):
                 return
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
             if not self._allocate(request, head, out, budget):
@@ -251,11 +255,12 @@ class Scheduler:
 
     def _allocate(self, request: Request, seq: Sequence, out: SchedulerOutput, budget: _Budget) -> bool:
         """Admit a block-less sequence with a chunk of the budget, past its prefix-cache hits."""
-        hit = self.bm.lookup_prefix(seq)
+        use_cache = not request.prompt_logits_pending
+        hit = self.bm.lookup_prefix(seq, use_cache)
         n = min(seq.num_tokens - hit, budget.tokens)
-        if not self.bm.can_allocate(seq, n):
+        if not self.bm.can_allocate(seq, n, use_cache):
             return False
-        self.bm.allocate(seq, n)
+        self.bm.allocate(seq, n, use_cache)
         self._record(request, seq, n, out, budget)
         return True
 
@@ -331,7 +336,8 @@ class Scheduler:
         out.scheduled.append(ScheduledSequence(
             request.request_id, seq.seq_id, start, n, seq.token_ids[start:end], list(seq.block_table),
             self.bm.slot_mapping(seq, start, end), is_prefill=n > 1 or start < seq.num_prompt_tokens,
-            do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1))
+            do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1,
+            prompt_logit_positions=request.prompt_logit_positions(start, end)))
         budget.tokens -= n
         budget.seqs -= 1
         if start < seq.num_prompt_tokens:
@@ -357,6 +363,8 @@ class Scheduler:
         for s, request in live:
             seq = self._seqs[s.seq_id]
             self.bm.mark_computed(seq, s.num_scheduled_tokens)
+            if s.prompt_logit_positions:
+                request.num_prompt_logits_done = max(request.num_prompt_logits_done, s.prompt_logit_positions.stop)
             if s.do_sample:
                 self._append_sampled(request, seq, tokens[s.seq_id])
                 if not request.live_seqs():

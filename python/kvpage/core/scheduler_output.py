@@ -24,6 +24,9 @@ class ScheduledSequence:
     is_prefill: bool  # prompt (or recompute) tokens rather than one decode token
     do_sample: bool  # the last scheduled token is the sequence's last: keep its logits and sample
     num_samples: int  # tokens to sample from those logits: n where the prompt's completion forks n samples
+    # Prompt positions (within this step's) whose logits the runner returns as well, for prompt_logprobs:
+    # position p's logits give the log-probability of prompt token p + 1.
+    prompt_logit_positions: range = range(0)
 
     @property
     def context_len(self) -> int:
@@ -33,6 +36,26 @@ class ScheduledSequence:
     @property
     def positions(self) -> range:
         return range(self.start, self.context_len)
+
+
+def logits_rows(scheduled) -> list[int]:
+    """Rows of a step's flat batch (its sequences' tokens back to back) whose logits the runner
+    returns, in this order: the last token of each sequence with do_sample, in batch order, then
+    each sequence's prompt_logit_positions, in batch order. A step that wants no prompt logits gets
+    just the sampled rows, [sequences with do_sample, vocab]."""
+    sampled, prompt, start = [], [], 0
+    for s in scheduled:
+        n = len(s.token_ids)
+        if s.do_sample:
+            sampled.append(start + n - 1)
+        positions = getattr(s, "prompt_logit_positions", None)  # a step object without it wants none
+        if positions:
+            if positions.start < s.start or positions.stop > s.start + n:
+                raise ValueError(f"prompt_logit_positions {positions} must lie within the step's positions"
+                                 f" [{s.start}, {s.start + n})")
+            prompt += range(start + positions.start - s.start, start + positions.stop - s.start)
+        start += n
+    return sampled + prompt
 
 
 @dataclass

@@ -163,7 +163,7 @@ class TensorParallelExecutor:
 
     def execute(self, batch) -> torch.Tensor:
         """Run one step (a SchedulerOutput or ModelInput) on every rank; float32 logits
-        [sequences with do_sample, vocab] on rank 0, as ModelRunner.execute returns them."""
+        [sequences with do_sample + prompt_logprobs rows, vocab] on rank 0, as ModelRunner.execute returns them."""
         self.check_open()
         t0 = time.perf_counter()
         h, payload = protocol.pack_step(batch, self.session.message, self.block_size)  # ValueError: nothing sent

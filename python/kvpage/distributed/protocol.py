@@ -4,7 +4,8 @@ header  int64[HEADER_LEN]: kind, message number, then the sizes below (ALLOCATE 
 payload int32, back to back:
     token_ids[T] positions[T] slot_mapping[T] query_start_loc[S+1] seq_lens[S] block_tables[S*W]
     sample_rows[R] swap_out[2*A] swap_in[2*B] copy[2*C]
-T tokens, S sequences, W the widest block table (shorter ones padded with 0), R sampled rows, A/B/C block
+T tokens, S sequences, W the widest block table (shorter ones padded with 0), R rows whose logits are
+kept (sampled, then prompt_logprobs' rows: kvpage.core.scheduler_output.logits_rows), A/B/C block
 pairs. Every rank, the driver included, runs the step from the unpacked tensors, so all run identical
 inputs; none of them sees a Python object per sequence. Cost: 8 * HEADER_LEN + 4 * len(payload) bytes.
 """
@@ -15,6 +16,7 @@ from enum import IntEnum
 
 import torch
 
+from kvpage.core.scheduler_output import logits_rows
 from kvpage.model.metadata import AttentionMetadata
 from kvpage.model.runner import ModelInput
 
@@ -70,7 +72,7 @@ def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    starts, seq_lens, tables, sample_rows = [0], [], [], []
+    starts, seq_lens, tables = [0], [], []
     for s in seqs:
         n = len(s.token_ids)
         if n == 0 or len(s.slot_mapping) != n or s.start < 0:
@@ -85,8 +87,7 @@ def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch
         seq_lens.append(s.start + n)
         tables += s.block_table
         tables += [0] * (width - len(s.block_table))
-        if s.do_sample:
-            sample_rows.append(starts[-1] - 1)
+    sample_rows = logits_rows(seqs)  # sampled rows, then prompt_logprobs rows: all the LM head runs on
     moves = [[x for pair in pairs for x in pair]
              for pairs in (batch.blocks_to_swap_out, batch.blocks_to_swap_in, batch.blocks_to_copy)]
     starts = starts if seqs else []  # no sequence, no query_start_loc (unpack_step sizes it S + 1 or 0)

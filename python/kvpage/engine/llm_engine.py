@@ -10,11 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
+
 from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs
+from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
 from .sampling_params import SamplingParams
 
 
@@ -48,6 +50,7 @@ class _RequestState:
     samples: list[_Sample]
     index_of: dict[int, int]  # seq_id -> sample index (the order of the request's sequences)
     stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: eos (unless ignore_eos) and stop_token_ids
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, position 1's, ...] so far
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -94,9 +97,12 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
                                              eos_token_id=eos, stop_token_ids=stop_ids,
-                                             ignore_eos=params.ignore_eos)
+                                             ignore_eos=params.ignore_eos,
+                                             prompt_logits=params.prompt_logprobs is not None)
         state = _RequestState(request, text, params, stream, [_Sample() for _ in range(params.n)],
                               {request.seqs[0].seq_id: 0})
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         if params.min_tokens:
             state.stop_ids = tuple(sorted(stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())))
         for sample in state.samples:
@@ -149,11 +155,13 @@ class LLMEngine:
         self.num_steps += 1
         self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
         rows = [s for s in out.scheduled if s.do_sample]
-        sample_rows, result = [], None
+        sample_rows, result, prompt_logprobs = [], None, []
         try:
             self._check_progress(out)
             if not out.is_empty:
-                sample_rows, result = self._sample(rows, self.runner.execute(out))
+                logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
+                sample_rows, result = self._sample(rows, logits[:len(rows)])
+                prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
             self.scheduler.update_from_output(out, self._sampled(rows, result))
         except BaseException:
             # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
@@ -161,6 +169,8 @@ class LLMEngine:
             self.scheduler.discard_step(out)
             raise
         self._record_samples(rows, sample_rows, result)
+        for state, position, entries in prompt_logprobs:  # in order: the scheduler never repeats a position
+            state.prompt_logprobs[position + 1:] = entries
         return self._process(rows)
 
     def _check_progress(self, out: SchedulerOutput) -> None:
@@ -213,6 +223,28 @@ class LLMEngine:
                 if top is not None and sample.logprobs is not None:
                     sample.logprobs.append(self._logprob_dict(tokens[k], lp, top[k]))
             self.num_generation_tokens += len(tokens)
+
+    def _prompt_logprobs(self, scheduled, logits: torch.Tensor) -> list[tuple[_RequestState, int, list]]:
+        """(state, first position, one Logprob dict per position) for each sequence whose prompt logits
+        came back: position p's row gives the log-probability of prompt token p + 1."""
+        found, row = [], 0
+        for s in scheduled:
+            positions = s.prompt_logit_positions
+            if not positions:
+                continue
+            chunk, row = logits[row:row + len(positions)], row + len(positions)
+            if chunk.shape[0] != len(positions):
+                raise RuntimeError(f"the runner returned {len(logits)} prompt-logit rows; the step asked for more"
+                                   " (prompt_logit_positions: see kvpage.core.scheduler_output.logits_rows)")
+            state = self._states.get(s.request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            targets = state.request.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            own, tops = rank_and_top(chunk.float().log_softmax(dim=-1), torch.tensor(targets, device=chunk.device),
+                                     state.params.prompt_logprobs)
+            entries = [self._logprob_dict(t, lp, top) for t, lp, top in zip(targets, own.tolist(), tops)]
+            found.append((state, positions.start, entries))
+        return found
 
     def _logprob_dict(self, token: int, logprob: float, top: TopLogprobs) -> dict[int, Logprob]:
         """vLLM's per-token dict: the sampled token first, then the top-k (one entry if it is among them)."""
@@ -293,8 +325,9 @@ class LLMEngine:
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
         if state.first_token_time is not None:
             metrics["ttft"] = state.first_token_time - state.arrival_time
+        prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, completions,
-                             finished, metrics)
+                             finished, metrics, prompt_logprobs)
 
     # -- statistics ----------------------------------------------------------------------------
 

@@ -38,6 +38,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """prompt_logprobs: with SamplingParams(prompt_logprobs=k), None for the first prompt token (nothing
+    precedes it), then per prompt token a {token_id: Logprob} of that token first and the k most
+    likely at its position, from the model's log-softmax; None without prompt_logprobs."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -45,3 +49,4 @@ class RequestOutput:
     finished: bool = False
     # Engine-step timing for latency figures: seconds from add_request to the first output token.
     metrics: dict = field(default_factory=dict, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -64,6 +64,10 @@ class TopLogprobs:
     logprobs: list[float]
     ranks: list[int]
 
+    def first(self, k: int) -> "TopLogprobs":
+        """The same, with only the k most likely tokens."""
+        return TopLogprobs(self.rank, self.token_ids[:k], self.logprobs[:k], self.ranks[:k])
+
 
 @dataclass
 class SamplerOutput:
@@ -183,20 +187,26 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         sampled[r] = _sampled_logprobs(logits[r], tokens[r])
     w = torch.tensor(want)
     logp = (logits if not rest else logits[w]).log_softmax(dim=-1)
-    # Reported from the same tensor as the top-k, so a token's value is one number everywhere.
-    own = logp.gather(1, tokens[w].unsqueeze(1))
-    sampled[w] = own.squeeze(1)
-    k = min(max(rows[j].params.logprobs for j in want), logp.shape[1])
-    values, ids = logp.topk(max(k, 1), dim=-1)
+    own, tops = rank_and_top(logp, tokens[w], max(rows[j].params.logprobs for j in want))
+    sampled[w] = own
+    top: list[TopLogprobs | None] = [None] * len(rows)
+    for j, t in zip(want, tops):
+        top[j] = t.first(rows[j].params.logprobs)
+    return sampled.tolist(), top
+
+
+def rank_and_top(logp: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, list[TopLogprobs]]:
+    """Rows of a log-softmax [R, vocab] and one token per row [R]: that token's log-probability [R],
+    and per row its rank and the k most likely tokens. The token's value is read from the same
+    tensor as the top-k, so a token has one number everywhere it is reported."""
+    own = logp.gather(1, tokens.unsqueeze(1))
+    k = min(k, logp.shape[1])
+    values, ids = logp.topk(max(k, 1), dim=-1)  # k = 0 still ranks a token that is the most likely
     # Within a sorted top-k, 1 + the values strictly above each one: ties share a rank.
     top_ranks = torch.searchsorted(-values, -values, side="left") + 1
-    ranks = _ranks(logp, own, ids == tokens[w].unsqueeze(1), top_ranks).tolist()
-    values, ids, top_ranks = values.tolist(), ids.tolist(), top_ranks.tolist()
-    top: list[TopLogprobs | None] = [None] * len(rows)
-    for i, j in enumerate(want):
-        n = rows[j].params.logprobs
-        top[j] = TopLogprobs(ranks[i], ids[i][:n], values[i][:n], top_ranks[i][:n])
-    return sampled.tolist(), top
+    ranks = _ranks(logp, own, ids == tokens.unsqueeze(1), top_ranks).tolist()
+    values, ids, top_ranks = values[:, :k].tolist(), ids[:, :k].tolist(), top_ranks[:, :k].tolist()
+    return own.squeeze(1), [TopLogprobs(*fields) for fields in zip(ranks, ids, values, top_ranks)]
 
 
 def _sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -53,9 +53,12 @@ class SamplingParams:
     that many output tokens exist, eos and stop_token_ids cannot be sampled and stop strings end
     nothing); logprobs (None, or k >= 0: each CompletionOutput gets one {token_id: Logprob} dict per
     output token, the sampled token and the k most likely, from the model's log-softmax before
-    penalties, temperature and filters: the distribution cumulative_logprob sums);
-    include_stop_str_in_output (keep the matched stop string in the text). Beam search takes none
-    of the penalties, min_p, min_tokens or logprobs (ValueError naming the field).
+    penalties, temperature and filters: the distribution cumulative_logprob sums); prompt_logprobs
+    (None, or k >= 0: RequestOutput.prompt_logprobs gets None for the first prompt token, then for each
+    later one a dict of that token and the k most likely at its position; as in vLLM, such a prompt is
+    computed whole, not read from the prefix cache); include_stop_str_in_output (keep the matched
+    stop string in the text). Beam search takes none of the penalties, min_p, min_tokens, logprobs
+    or prompt_logprobs (ValueError naming the field).
     """
 
     n: int = 1
@@ -75,6 +78,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -131,14 +135,17 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
 
     def _check_beam_options(self) -> None:
         """Beam search ranks beams by the model's own log-probabilities (HF's arithmetic, token for
         token); these options would change what it ranks, so they are refused rather than ignored."""
         for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None)):
+                              ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None),
+                              ("prompt_logprobs", None)):
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with beam search"
                                  f" (beam_width={self.beam_width}); leave it at {default!r}")

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from kvpage import ops
+from kvpage.core.scheduler_output import logits_rows
 
 from .attention import head_dim_of, validate_config
 from .cpu_layout import prepack_linear_weights
@@ -37,6 +38,7 @@ class SequenceInput:
     block_table: list[int]
     slot_mapping: list[int]  # cache slot of each new token (BlockManager.slot_mapping)
     do_sample: bool = True  # return logits for the last of token_ids
+    prompt_logit_positions: range = range(0)  # positions whose logits come back too (prompt_logprobs)
 
     @property
     def context_len(self) -> int:
@@ -142,17 +144,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Run a step; float32 logits [num sequences with do_sample, vocab], in batch order."""
+        """Run a step; float32 logits [num sequences with do_sample, vocab], in batch order, followed by
+        the rows of each sequence's prompt_logit_positions, if any (kvpage.core.logits_rows)."""
         self._move_blocks(batch)
         seqs = batch.scheduled
         if not seqs:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        input_ids, positions, metadata, sample_rows = self._prepare(seqs)
+        input_ids, positions, metadata, logit_rows = self._prepare(seqs)
         hidden = self._forward(input_ids, positions, metadata)
-        if not sample_rows:
+        if not logit_rows:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        # Only the sampled rows go through the vocab projection: [num_sampled, vocab], not [T, vocab].
-        rows = hidden[0].index_select(0, torch.tensor(sample_rows, device=self.device))
+        # Only the rows asked for go through the vocab projection: [num_sampled, vocab], not [T, vocab].
+        rows = hidden[0].index_select(0, torch.tensor(logit_rows, device=self.device))
         return self.model.get_output_embeddings()(rows).float()
 
     @torch.inference_mode()
@@ -196,7 +199,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        query_lens, seq_lens, block_tables, sample_rows = [], [], [], []
+        query_lens, seq_lens, block_tables = [], [], []
         for seq in seqs:
             n = len(seq.token_ids)
             if n == 0 or len(seq.slot_mapping) != n or seq.start < 0:
@@ -210,13 +213,11 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(seq.start + n)
             block_tables.append(seq.block_table)
-            if seq.do_sample:
-                sample_rows.append(len(token_ids) - 1)
         device = self.device
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device).unsqueeze(0)
         position_ids = torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0)
-        return input_ids, position_ids, metadata, sample_rows
+        return input_ids, position_ids, metadata, logits_rows(seqs)
 
 
 def _flat(kv_caches: list[KVCache]) -> list[torch.Tensor]:
