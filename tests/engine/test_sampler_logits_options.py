@@ -187,6 +187,10 @@ def test_a_penalised_row_without_its_history_is_an_error():
     ("min_tokens", -1), ("min_tokens", 1.0), ("min_tokens", True), ("min_tokens", 17),  # > max_tokens=16
     ("logprobs", -1), ("logprobs", 2.0), ("logprobs", True), ("logprobs", "5"),
     ("include_stop_str_in_output", 1), ("include_stop_str_in_output", "yes"),
+    ("prompt_logprobs", -1), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("inf")}), ("logit_bias", {"3": 1.0}),
+    ("logit_bias", [(3, 1.0)]), ("logit_bias", {3: "1"}), ("allowed_token_ids", []), ("allowed_token_ids", [-2]),
+    ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]), ("skip_special_tokens", 0),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", 2.0),
 ])
 def test_bad_values_of_the_new_options_name_them(name, value):
     with pytest.raises(ValueError, match=name):
@@ -195,7 +199,8 @@ def test_bad_values_of_the_new_options_name_them(name, value):
 
 @pytest.mark.parametrize("name,value", [("repetition_penalty", 1.2), ("presence_penalty", 0.5),
                                         ("frequency_penalty", -0.5), ("min_p", 0.1), ("min_tokens", 2),
-                                        ("logprobs", 0), ("stop", "\n")])
+                                        ("logprobs", 0), ("stop", "\n"), ("logit_bias", {1: 2.0}),
+                                        ("allowed_token_ids", [1, 2])])
 def test_beam_search_refuses_the_logits_options(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(beam_width=2, **{name: value})
@@ -209,3 +214,36 @@ def test_edge_values_are_accepted():
     SamplingParams(repetition_penalty=1e-3, presence_penalty=-2, frequency_penalty=2.0, min_p=1, min_tokens=16,
                    logprobs=0, include_stop_str_in_output=True)
     SamplingParams(beam_width=3, include_stop_str_in_output=True)
+
+
+def test_allowed_token_ids_then_logit_bias_come_first_in_vllms_order():
+    # With a repetition penalty after them: (logit + bias) / penalty, not logit / penalty + bias.
+    logits = _logits(2, seed=7)
+    allowed, bias = [3, 9, 20, 41], {9: 2.5, 41: -1.0, 50: 4.0}  # 50: biased but not allowed
+    params = SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=1.7)
+    rows = [SampleRow(params, prompt_token_ids=[9, 41], output_token_ids=[3]), SampleRow(SamplingParams())]
+    got = apply_logits_processors(logits.clone(), rows)
+    ref = torch.full((VOCAB,), float("-inf"))
+    ref[allowed] = logits[0, allowed]
+    for t, b in bias.items():
+        ref[t] += b
+    torch.testing.assert_close(got[0], reference_penalties(ref, [9, 41], [3], 1.7))
+    assert torch.equal(got[1], logits[1])
+    out = Sampler()(logits[:1], rows[:1])
+    assert out.tokens == [[int(got[0].argmax())]]
+    # The reported logprob is the model's own, before the bias and the mask.
+    assert math.isclose(out.logprobs[0][0], logits[0].log_softmax(-1)[out.tokens[0][0]].item(), abs_tol=1e-5)
+
+
+def test_sampling_draws_only_allowed_tokens_and_a_large_bias_wins():
+    logits = _logits(1, seed=8)
+    assert _support(SamplingParams(temperature=1.5, allowed_token_ids=[5, 6, 60]), logits) == {5, 6, 60}
+    assert _support(SamplingParams(temperature=1.0, logit_bias={17: 100.0}), logits) == {17}
+    greedy = SamplingParams(temperature=0, logit_bias={int(logits[0].argmin()): 1e4})
+    assert Sampler()(logits, [SampleRow(greedy)]).tokens == [[int(logits[0].argmin())]]
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    for params in (SamplingParams(allowed_token_ids=[3, VOCAB]), SamplingParams(logit_bias={VOCAB + 5: 1.0})):
+        with pytest.raises(ValueError, match="allowed_token_ids|logit_bias"):
+            Sampler()(_logits(1), [SampleRow(params)])

@@ -57,6 +57,7 @@ class Request:
     # each; num_prompt_logits_done counts the leading ones a taken step has delivered.
     wants_prompt_logits: bool = False
     num_prompt_logits_done: int = 0
+    num_cached_tokens: int = -1  # prompt tokens its first admission read from the prefix cache (-1: not yet)
     num_preemptions: int = 0
     # Steps (schedule() calls) at arrival, first scheduled token and finish, for latency accounting.
     arrival_step: int = 0

@@ -260,7 +260,9 @@ class Scheduler:
         n = min(seq.num_tokens - hit, budget.tokens)
         if not self.bm.can_allocate(seq, n, use_cache):
             return False
-        self.bm.allocate(seq, n, use_cache)
+        cached = self.bm.allocate(seq, n, use_cache)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = cached
         self._record(request, seq, n, out, budget)
         return True
 

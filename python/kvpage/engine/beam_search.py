@@ -174,7 +174,7 @@ def check_beam_request(engine, prompt, prompt_token_ids: list[int] | None,
     """(text, token ids) of a beam request, or ValueError if it could never run: the checks
     LLMEngine.add_request makes, done before LLM.generate runs anything."""
     params.validate()
-    text, token_ids = engine.tokenize_prompt(prompt, prompt_token_ids)
+    text, token_ids = engine.request_prompt(prompt, prompt_token_ids, params)
     total = check_max_model_len(len(token_ids), params.max_tokens, engine.config.max_model_len)
     bm = engine.block_manager
     need = params.beam_width * num_blocks_for(total, bm.block_size)
@@ -192,7 +192,8 @@ def beam_search(llm, prompt: str | None, prompt_ids: list[int], params: Sampling
     hyps = _BeamRun(llm, prompt_ids, params).run()
     tokenizer = llm.tokenizer
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.llm_engine.config.eos_token_ids))
-    outputs = [CompletionOutput(i, tokenizer.decode(h.tokens, skip_special_tokens=True) if tokenizer else "",
+    skip = params.skip_special_tokens
+    outputs = [CompletionOutput(i, tokenizer.decode(h.tokens, skip_special_tokens=skip) if tokenizer else "",
                                 h.tokens, "stop" if h.tokens and h.tokens[-1] in stops else "length", h.logprob)
                for i, h in enumerate(hyps)]
     return RequestOutput(request_id, prompt, list(prompt_ids), outputs, finished=True)

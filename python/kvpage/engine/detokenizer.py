@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass
 class IncrementalDetokenizer:
     prompt_len: int
+    skip_special_tokens: bool = True
     text: str = ""
     prefix_offset: int = 0  # into the output tokens: where the decode window starts
     read_offset: int = 0  # output tokens already turned into text
@@ -23,8 +24,9 @@ class IncrementalDetokenizer:
         out = token_ids[self.prompt_len:]
         if len(out) <= self.read_offset:
             return ""
-        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=skip)
         if full.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character: wait for its next byte-token
         new = full[len(prefix):]

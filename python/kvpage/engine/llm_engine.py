@@ -92,7 +92,7 @@ class LLMEngine:
         params.validate()  # fields may have been assigned since construction
         if params.use_beam_search:
             raise ValueError("beam_width > 1 runs through LLM.generate (kvpage.engine.beam_search), not add_request")
-        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
+        text, token_ids = self.request_prompt(prompt, prompt_token_ids, params)
         eos, *more_eos = self.config.eos_token_ids or (None,)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
@@ -107,11 +107,29 @@ class LLMEngine:
             state.stop_ids = tuple(sorted(stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())))
         for sample in state.samples:
             if state.needs_detok:
-                sample.detok = IncrementalDetokenizer(len(token_ids))
+                sample.detok = IncrementalDetokenizer(len(token_ids), params.skip_special_tokens)
             if params.logprobs is not None:
                 sample.logprobs = []
         self._states[request_id] = state
         self.num_prompt_tokens += len(token_ids)
+
+    def request_prompt(self, prompt, prompt_token_ids: list[int] | None,
+                       params: SamplingParams) -> tuple[str | None, list[int]]:
+        """A request's (text, token ids): tokenized and checked, with its params' token ids checked
+        against the vocabulary, and truncate_prompt_tokens applied (vLLM's left truncation)."""
+        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
+        self._check_token_options(params)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        return text, token_ids
+
+    def _check_token_options(self, params: SamplingParams) -> None:
+        """Token ids the options name must lie in the vocabulary (an index past it would fail mid-step)."""
+        vocab = getattr(self.runner, "vocab_size", None)
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            if ids and vocab is not None and max(ids) >= vocab:
+                raise ValueError(f"{name} names token id {max(ids)}, outside the vocabulary (vocab_size={vocab})")
 
     def tokenize_prompt(self, prompt, prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
         """(text, checked token ids); with prompt_token_ids (already tokenised: chat templates) the prompt
@@ -316,7 +334,7 @@ class LLMEngine:
             if sample.detok is not None:
                 text = sample.detok.text
             elif self.tokenizer is not None and finished:
-                text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                text = self.tokenizer.decode(token_ids, skip_special_tokens=state.params.skip_special_tokens)
             else:
                 text = ""
             completions.append(CompletionOutput(i, text, list(token_ids), reason.value if reason else None,
@@ -326,8 +344,9 @@ class LLMEngine:
         if state.first_token_time is not None:
             metrics["ttft"] = state.first_token_time - state.arrival_time
         prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
+        cached = request.num_cached_tokens if request.num_cached_tokens >= 0 else None
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, completions,
-                             finished, metrics, prompt_logprobs)
+                             finished, metrics, prompt_logprobs, cached)
 
     # -- statistics ----------------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
-"""The logits processors that read a request's own tokens: min_tokens, and the repetition, presence
-and frequency penalties (vLLM's names and semantics; the repetition penalty is HF's
-RepetitionPenaltyLogitsProcessor, the same float ops).
+"""The logits processors: allowed_token_ids and logit_bias, then those that read a request's own
+tokens: min_tokens, and the repetition, presence and frequency penalties (vLLM's names and
+semantics; the repetition penalty is HF's RepetitionPenaltyLogitsProcessor, the same float ops).
 
-They run, in vLLM's order, on the raw logits before temperature: min_tokens, then repetition, then
-frequency and presence. Each works on the whole batch of rows that use it at once, through the flat
-index row * vocab + token of the tokens each row has seen: one unique() gives every count, and only
-those entries are read and written. Rows that use none of them are never touched, and nothing here runs for a batch without them.
+They run, in vLLM's order, on the raw logits before temperature: allowed_token_ids, logit_bias,
+min_tokens, then repetition, then frequency and presence. Each works on the whole batch of rows
+that use it at once, through the flat index row * vocab + token of the tokens each row has seen: one
+unique() gives every count, and only those entries are read and written. Rows that use none of them
+are never touched, and nothing here runs for a batch without them.
 """
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ def holds_back_stops(row: SampleRow) -> bool:
 
 
 def needs_processing(row: SampleRow) -> bool:
-    return row.params.uses_penalties or holds_back_stops(row)
+    return row.params.uses_penalties or row.params.uses_token_bias or holds_back_stops(row)
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Apply min_tokens and the penalties to `logits` [len(rows), vocab] in place and return it.
+    """Apply the token bias, min_tokens and the penalties to `logits` [len(rows), vocab] in place and return it.
 
     `logits` must be the sampler's own copy of these rows: the caller's tensor stays the model's
     distribution, which logprobs and cumulative_logprob report.
     """
+    for k, row in enumerate(rows):
+        if row.params.uses_token_bias:
+            apply_token_bias(logits[k], row.params.allowed_token_ids, row.params.logit_bias)
     held = [k for k, row in enumerate(rows) if holds_back_stops(row)]
     if held:
         apply_min_tokens(logits, held, rows)
@@ -42,6 +46,22 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torc
         index = torch.tensor(penalised)
         logits[index] = apply_penalties(logits[index], [rows[k] for k in penalised])
     return logits
+
+
+def apply_token_bias(logits: torch.Tensor, allowed: list[int] | None, bias: dict[int, float] | None) -> None:
+    """One row [vocab], in place: -inf outside `allowed` (where given), then `bias` added to its tokens."""
+    vocab = logits.shape[0]
+    for name, ids in (("allowed_token_ids", allowed), ("logit_bias", bias)):
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"{name} names token id {max(ids)}, outside the vocabulary of {vocab}")
+    if allowed is not None:
+        index = torch.tensor(allowed)
+        kept = logits[index]
+        logits.fill_(float("-inf"))
+        logits[index] = kept
+    if bias:
+        index = torch.tensor(list(bias))
+        logits[index] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
 def apply_min_tokens(logits: torch.Tensor, held: list[int], rows: list[SampleRow]) -> None:

@@ -40,7 +40,8 @@ class CompletionOutput:
 class RequestOutput:
     """prompt_logprobs: with SamplingParams(prompt_logprobs=k), None for the first prompt token (nothing
     precedes it), then per prompt token a {token_id: Logprob} of that token first and the k most
-    likely at its position, from the model's log-softmax; None without prompt_logprobs."""
+    likely at its position, from the model's log-softmax; None without prompt_logprobs.
+    num_cached_tokens: as vLLM's, the prompt tokens the prefix cache held at the request's admission."""
 
     request_id: str
     prompt: str | None
@@ -50,3 +51,4 @@ class RequestOutput:
     # Engine-step timing for latency figures: seconds from add_request to the first output token.
     metrics: dict = field(default_factory=dict, repr=False)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens read from the prefix cache (None: not admitted yet)

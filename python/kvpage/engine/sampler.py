@@ -1,5 +1,5 @@
 """Turns one step's logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds,
-the penalties and min_tokens (engine/logits_processors.py), and logprobs.
+allowed_token_ids, logit_bias, the penalties and min_tokens (engine/logits_processors.py), and logprobs.
 
 Everything that can be is done on the whole batch at once (one argmax, one log-softmax, one sort for
 the rows that filter); only seeded rows draw their noise one by one, from their own generator.
@@ -7,11 +7,11 @@ Sampling uses the exponential race (argmax of probs / Exp(1) noise, as vLLM does
 vocabulary entry from a generator, so a seeded row's token depends on nothing but its seed, its
 sample index, its position and its logits, never on the rest of the batch.
 
-Order, as vLLM's (v1) sampler: min_tokens and the penalties on the raw logits; temperature; min-p;
-top-k and top-p (so top-p measures its mass on what min-p left, renormalised; HF and vLLM v0 apply
-min-p last, which differs only where both are set). Log-probabilities (cumulative_logprob, logprobs)
-are the model's own: the log-softmax of the raw logits, before any of that (vLLM's default, raw
-logprobs).
+Order, as vLLM's (v1) sampler: allowed_token_ids, logit_bias, min_tokens and the penalties on the
+raw logits; temperature; min-p; top-k and top-p (so top-p measures its mass on what min-p left,
+renormalised; HF and vLLM v0 apply min-p last, which differs only where both are set).
+Log-probabilities (cumulative_logprob, logprobs) are the model's own: the log-softmax of the raw
+logits, before any of that (vLLM's default, raw logprobs).
 """
 from __future__ import annotations
 
@@ -144,17 +144,17 @@ class Sampler:
 
 
 def _needs_more_than_argmax(rows: list[SampleRow]) -> bool:
-    """Whether some greedy row needs its logits changed (penalties, min_tokens) or its logprobs. Cheaper
+    """Whether some greedy row needs its logits changed (penalties, token bias, min_tokens) or its logprobs. Cheaper
     than needs_processing (no stop-id test): this runs for every row of every greedy step."""
     for row in rows:
         p = row.params
-        if p.logprobs is not None or p.uses_penalties or row.position < p.min_tokens:
+        if p.logprobs is not None or p.uses_penalties or p.uses_token_bias or row.position < p.min_tokens:
             return True
     return False
 
 
 def _processed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """These rows' logits after min_tokens and the penalties (changed in place: `logits` is a copy)."""
+    """These rows' logits after the token bias, min_tokens and the penalties (changed in place: `logits` is a copy)."""
     if any(needs_processing(row) for row in rows):
         return apply_logits_processors(logits, rows)
     return logits

@@ -27,6 +27,24 @@ def _stop_strings(stop) -> list[str]:
     return list(stops)
 
 
+def _logit_bias(bias) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b)
+                                             for t, b in bias.items()):
+        raise ValueError(f"logit_bias must be None or a dict of non-negative int token ids to finite numbers,"
+                         f" got {bias!r}")
+    return {t: float(b) for t, b in bias.items()}
+
+
+def _allowed_token_ids(ids) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, _COLLECTIONS) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"allowed_token_ids must be None or a non-empty list of non-negative ints, got {ids!r}")
+    return sorted(set(ids))
+
+
 def _stop_token_ids(ids) -> list[int]:
     if ids is None:
         return []
@@ -53,12 +71,16 @@ class SamplingParams:
     that many output tokens exist, eos and stop_token_ids cannot be sampled and stop strings end
     nothing); logprobs (None, or k >= 0: each CompletionOutput gets one {token_id: Logprob} dict per
     output token, the sampled token and the k most likely, from the model's log-softmax before
-    penalties, temperature and filters: the distribution cumulative_logprob sums); prompt_logprobs
+    penalties, temperature and filters: the distribution cumulative_logprob sums); logit_bias ({token
+    id: bias} added to those logits) and allowed_token_ids (every other token gets -inf), first of all
+    the processors, as vLLM applies them; prompt_logprobs
     (None, or k >= 0: RequestOutput.prompt_logprobs gets None for the first prompt token, then for each
     later one a dict of that token and the k most likely at its position; as in vLLM, such a prompt is
     computed whole, not read from the prefix cache); include_stop_str_in_output (keep the matched
-    stop string in the text). Beam search takes none of the penalties, min_p, min_tokens, logprobs
-    or prompt_logprobs (ValueError naming the field).
+    stop string in the text); skip_special_tokens (leave eos and the like out of the text);
+    truncate_prompt_tokens (None, or k >= 1: only the prompt's last k tokens are used). Beam search
+    takes none of the penalties, min_p, min_tokens, logprobs, prompt_logprobs, logit_bias or
+    allowed_token_ids (ValueError naming the field).
     """
 
     n: int = 1
@@ -80,6 +102,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,7 +121,9 @@ class SamplingParams:
         self._check_logits_options()
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.use_beam_search:
@@ -110,6 +138,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int: 0 or -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
 
     def _check_floats(self) -> None:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
@@ -145,7 +176,7 @@ class SamplingParams:
         token); these options would change what it ranks, so they are refused rather than ignored."""
         for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None),
-                              ("prompt_logprobs", None)):
+                              ("prompt_logprobs", None), ("logit_bias", None), ("allowed_token_ids", None)):
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with beam search"
                                  f" (beam_width={self.beam_width}); leave it at {default!r}")
@@ -165,6 +196,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Any of the penalties that read the request's tokens (engine/logits_processors.py)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_token_bias(self) -> bool:
+        """logit_bias or allowed_token_ids: fixed changes to some tokens' logits, whatever the history."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def needs_filter(self) -> bool:
