@@ -189,7 +189,8 @@ def test_a_penalised_row_without_its_history_is_an_error():
     ("include_stop_str_in_output", 1), ("include_stop_str_in_output", "yes"),
     ("prompt_logprobs", -1), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("inf")}), ("logit_bias", {"3": 1.0}),
     ("logit_bias", [(3, 1.0)]), ("logit_bias", {3: "1"}), ("allowed_token_ids", []), ("allowed_token_ids", [-2]),
-    ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]), ("skip_special_tokens", 0),
+    ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]), ("skip_special_tokens", 0), ("bad_words", [""]),
+    ("bad_words", [3]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", 2.0),
 ])
 def test_bad_values_of_the_new_options_name_them(name, value):
@@ -200,7 +201,7 @@ def test_bad_values_of_the_new_options_name_them(name, value):
 @pytest.mark.parametrize("name,value", [("repetition_penalty", 1.2), ("presence_penalty", 0.5),
                                         ("frequency_penalty", -0.5), ("min_p", 0.1), ("min_tokens", 2),
                                         ("logprobs", 0), ("stop", "\n"), ("logit_bias", {1: 2.0}),
-                                        ("allowed_token_ids", [1, 2])])
+                                        ("allowed_token_ids", [1, 2]), ("bad_words", ["no"])])
 def test_beam_search_refuses_the_logits_options(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(beam_width=2, **{name: value})

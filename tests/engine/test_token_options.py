@@ -1,11 +1,13 @@
-"""logit_bias and allowed_token_ids against HF generate's own processors (sequence_bias,
-prefix_allowed_tokens_fn), and skip_special_tokens, truncate_prompt_tokens and num_cached_tokens."""
+"""logit_bias, allowed_token_ids and bad_words against HF generate's own processors (sequence_bias,
+prefix_allowed_tokens_fn, bad_words_ids), and skip_special_tokens, truncate_prompt_tokens and num_cached_tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_helpers import PROMPTS, assert_greedy_matches, hf_generate, make_llm
 from kvpage import SamplingParams
+from kvpage.engine.logits_processors import apply_bad_words, bad_words_token_ids
 
 
 def test_greedy_logit_bias_matches_hf_sequence_bias(llm, hf_model, hf_greedy, prompt_ids):
@@ -77,3 +79,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_add_request(llm):
         with pytest.raises(ValueError, match="logit_bias|allowed_token_ids"):
             llm.generate(PROMPTS[1], params, use_tqdm=False)
     assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_waiting"] == 0
+
+
+def test_greedy_bad_words_match_hf_bad_words_ids(llm, hf_model, hf_greedy, prompt_ids):
+    picks = [1, 4]
+    # The first greedy word of prompt 1, and a two-token run from the middle of prompt 4's greedy output.
+    run = hf_greedy[4][0][3:5]
+    words = [llm.tokenizer.decode(hf_greedy[1][0][:1]), llm.tokenizer.decode(run)]
+    ids = bad_words_token_ids(llm.tokenizer, words)
+    assert any(len(w) > 1 for w in ids)
+    # HF also matches a word's prefix against the prompt; vLLM's rule (and kvpage's) only the output.
+    assert not any(len(w) > 1 and prompt_ids[i][-1] == w[0] for w in ids for i in picks)
+    params = SamplingParams(temperature=0, max_tokens=12, bad_words=words)
+    outs = llm.generate([prompt_ids[i] for i in picks], params, use_tqdm=False)
+    refs = hf_generate(hf_model, [prompt_ids[i] for i in picks], 12, processed=True,
+                       bad_words_ids=[list(w) for w in ids])
+    assert_greedy_matches(outs, refs)
+    assert all(o.outputs[0].token_ids != hf_greedy[i][0][:12] for o, i in zip(outs, picks))
+
+
+def test_bad_words_ban_a_words_last_token_only_after_its_other_tokens():
+    logits = torch.zeros(50)
+    apply_bad_words(logits, ((7,), (3, 9), (4, 5, 6)), [1, 2, 3])
+    assert logits.isinf().nonzero().flatten().tolist() == [7, 9]  # (4, 5, 6): the output does not end in 4, 5
+    logits = torch.zeros(50)
+    apply_bad_words(logits, ((4, 5, 6), (60,)), [4, 5])  # 60: past the vocabulary, nothing to ban
+    assert logits.isinf().nonzero().flatten().tolist() == [6]
+    logits = torch.zeros(50)
+    apply_bad_words(logits, ((3, 9),), [])  # nothing generated yet: the prompt does not count
+    assert not logits.isinf().any()

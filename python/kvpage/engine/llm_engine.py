@@ -15,6 +15,7 @@ import torch
 from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .logits_processors import bad_words_token_ids
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
 from .sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class _RequestState:
     index_of: dict[int, int]  # seq_id -> sample index (the order of the request's sequences)
     stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: eos (unless ignore_eos) and stop_token_ids
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, position 1's, ...] so far
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -103,6 +105,8 @@ class LLMEngine:
                               {request.seqs[0].seq_id: 0})
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+        if params.bad_words:
+            state.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.min_tokens:
             state.stop_ids = tuple(sorted(stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())))
         for sample in state.samples:
@@ -124,7 +128,10 @@ class LLMEngine:
         return text, token_ids
 
     def _check_token_options(self, params: SamplingParams) -> None:
-        """Token ids the options name must lie in the vocabulary (an index past it would fail mid-step)."""
+        """Token ids the options name must lie in the vocabulary (an index past it would fail mid-step);
+        bad_words need a tokenizer to become token ids."""
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias to ban token ids)")
         vocab = getattr(self.runner, "vocab_size", None)
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(params, name)
@@ -209,11 +216,12 @@ class LLMEngine:
         index = 0 if s.num_samples > 1 else state.index_of[s.seq_id]
         position = s.context_len - state.request.num_prompt_tokens
         row = SampleRow(params, s.num_samples, index, position)
-        if params.uses_penalties:
+        if params.uses_penalties or state.bad_words_token_ids:
             seq = state.request.seqs[index]  # a fork's samples all start from seqs[0], the prompt
             if params.repetition_penalty != 1.0:
                 row.prompt_token_ids = state.request.prompt_token_ids
             row.output_token_ids = seq.output_token_ids
+            row.bad_words_token_ids = state.bad_words_token_ids
         if position < params.min_tokens:
             row.stop_token_ids = state.stop_ids
         return row

@@ -24,7 +24,8 @@ def holds_back_stops(row: SampleRow) -> bool:
 
 
 def needs_processing(row: SampleRow) -> bool:
-    return row.params.uses_penalties or row.params.uses_token_bias or holds_back_stops(row)
+    return row.params.uses_penalties or row.params.uses_token_bias or bool(row.bad_words_token_ids) \
+        or holds_back_stops(row)
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -36,6 +37,8 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torc
     for k, row in enumerate(rows):
         if row.params.uses_token_bias:
             apply_token_bias(logits[k], row.params.allowed_token_ids, row.params.logit_bias)
+        if row.bad_words_token_ids:
+            apply_bad_words(logits[k], row.bad_words_token_ids, row.output_token_ids or [])
     held = [k for k, row in enumerate(rows) if holds_back_stops(row)]
     if held:
         apply_min_tokens(logits, held, rows)
@@ -62,6 +65,29 @@ def apply_token_bias(logits: torch.Tensor, allowed: list[int] | None, bias: dict
     if bias:
         index = torch.tensor(list(bias))
         logits[index] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as it reads alone and after a space (the form it takes mid-text),
+    the second only where that tokenizes to as many tokens with another first one (vLLM's rule)."""
+    found = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        found.append(tuple(alone))
+        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            found.append(tuple(spaced))
+    return tuple(ids for ids in found if ids)
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> None:
+    """One row [vocab], in place: -inf for the last token of each bad word whose other tokens end the
+    output so far (a one-token word: always). As in vLLM, only output tokens count, not the prompt."""
+    vocab = logits.shape[0]
+    banned = [word[-1] for word in bad_words
+              if word[-1] < vocab and (len(word) == 1 or tuple(output[-(len(word) - 1):]) == word[:-1])]
+    if banned:
+        logits[torch.tensor(banned)] = float("-inf")
 
 
 def apply_min_tokens(logits: torch.Tensor, held: list[int], rows: list[SampleRow]) -> None:

@@ -51,6 +51,8 @@ class SampleRow:
     # The ids that would end the sequence (eos unless ignore_eos, stop_token_ids): held back while
     # position < params.min_tokens.
     stop_token_ids: tuple[int, ...] = ()
+    # params.bad_words as token ids (logits_processors.bad_words_token_ids); output_token_ids with them.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -148,7 +150,8 @@ def _needs_more_than_argmax(rows: list[SampleRow]) -> bool:
     than needs_processing (no stop-id test): this runs for every row of every greedy step."""
     for row in rows:
         p = row.params
-        if p.logprobs is not None or p.uses_penalties or p.uses_token_bias or row.position < p.min_tokens:
+        if (p.logprobs is not None or p.uses_penalties or p.uses_token_bias or p.bad_words
+                or row.position < p.min_tokens):
             return True
     return False
 

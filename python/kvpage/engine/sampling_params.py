@@ -18,13 +18,14 @@ def _is_number(value) -> bool:
 _COLLECTIONS = (list, tuple, set, frozenset)
 
 
-def _stop_strings(stop) -> list[str]:
-    if stop is None:
+def _strings(name: str, value) -> list[str]:
+    """stop / bad_words: None, a string or a collection of them, as a list; ValueError naming `name`."""
+    if value is None:
         return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, _COLLECTIONS) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be None, a non-empty string or a list of them, got {stop!r}")
-    return list(stops)
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, _COLLECTIONS) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"{name} must be None, a non-empty string or a list of them, got {value!r}")
+    return list(items)
 
 
 def _logit_bias(bias) -> dict[int, float] | None:
@@ -73,14 +74,16 @@ class SamplingParams:
     output token, the sampled token and the k most likely, from the model's log-softmax before
     penalties, temperature and filters: the distribution cumulative_logprob sums); logit_bias ({token
     id: bias} added to those logits) and allowed_token_ids (every other token gets -inf), first of all
-    the processors, as vLLM applies them; prompt_logprobs
+    the processors, as vLLM applies them; bad_words (vLLM's rule: a word's last token is banned
+    wherever its other tokens end the output so far; each word as tokenized alone and after a
+    space); prompt_logprobs
     (None, or k >= 0: RequestOutput.prompt_logprobs gets None for the first prompt token, then for each
     later one a dict of that token and the k most likely at its position; as in vLLM, such a prompt is
     computed whole, not read from the prefix cache); include_stop_str_in_output (keep the matched
     stop string in the text); skip_special_tokens (leave eos and the like out of the text);
     truncate_prompt_tokens (None, or k >= 1: only the prompt's last k tokens are used). Beam search
-    takes none of the penalties, min_p, min_tokens, logprobs, prompt_logprobs, logit_bias or
-    allowed_token_ids (ValueError naming the field).
+    takes none of the penalties, min_p, min_tokens, logprobs, prompt_logprobs, logit_bias,
+    allowed_token_ids or bad_words (ValueError naming the field).
     """
 
     n: int = 1
@@ -103,6 +106,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    bad_words: str | Sequence[str] | None = None
     allowed_token_ids: Sequence[int] | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
@@ -119,7 +123,8 @@ class SamplingParams:
         self._check_ints()
         self._check_floats()
         self._check_logits_options()
-        self.stop = _stop_strings(self.stop)
+        self.stop = _strings("stop", self.stop)
+        self.bad_words = _strings("bad_words", self.bad_words)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
         self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
@@ -176,7 +181,8 @@ class SamplingParams:
         token); these options would change what it ranks, so they are refused rather than ignored."""
         for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None),
-                              ("prompt_logprobs", None), ("logit_bias", None), ("allowed_token_ids", None)):
+                              ("prompt_logprobs", None), ("logit_bias", None), ("allowed_token_ids", None),
+                              ("bad_words", [])):
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with beam search"
                                  f" (beam_width={self.beam_width}); leave it at {default!r}")
