@@ -19,6 +19,7 @@ from kvpage.core import Sequence
 from kvpage.core.block_table import num_blocks_for
 from kvpage.core.scheduler import check_max_model_len
 
+from .llm_engine import cache_salt_keys
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class _Hypothesis:
 
 
 class _BeamRun:
-    def __init__(self, llm, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, llm, prompt_ids: list[int], params: SamplingParams, extra_keys: tuple = ()) -> None:
         from kvpage.model import ModelInput, SequenceInput
 
         self._ModelInput, self._SequenceInput = ModelInput, SequenceInput
@@ -66,6 +67,7 @@ class _BeamRun:
             raise ValueError(f"beam search of beam_width={self.k} over {self.max_len} tokens needs {need} KV blocks;"
                              f" {self.bm.num_free_blocks} are free (num_kv_blocks)")
         self._next_id = -1  # negative seq ids: never clash with the scheduler's
+        self.extra_keys = extra_keys  # a cache salt: the prefix cache shares blocks only within it
         # Sequences that may hold blocks (running beams, children being forked): freed however the run ends.
         self._holders: list[Sequence] = []
         self.running = [self._new_seq(prompt_ids)]
@@ -74,7 +76,7 @@ class _BeamRun:
         self.unsatisfied = True
 
     def _new_seq(self, token_ids: list[int]) -> Sequence:
-        seq = Sequence(self._next_id, list(token_ids))
+        seq = Sequence(self._next_id, list(token_ids), self.extra_keys)
         self._next_id -= 1
         self._holders.append(seq)
         return seq
@@ -185,11 +187,11 @@ def check_beam_request(engine, prompt, prompt_token_ids: list[int] | None,
 
 
 def beam_search(llm, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                request_id: str) -> RequestOutput:
+                request_id: str, cache_salt: str | None = None) -> RequestOutput:
     """Run one request's beam search to completion; its beam_width best beams, best first."""
     if llm.llm_engine.has_unfinished_requests():
         raise RuntimeError("beam search runs on an idle engine (LLM.generate runs it after the other requests)")
-    hyps = _BeamRun(llm, prompt_ids, params).run()
+    hyps = _BeamRun(llm, prompt_ids, params, cache_salt_keys(cache_salt)).run()
     tokenizer = llm.tokenizer
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.llm_engine.config.eos_token_ids))
     skip = params.skip_special_tokens

@@ -6,12 +6,13 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvpage.core.policies import check_preemption_mode
 
-from .llm_engine import EngineConfig, LLMEngine
+from .llm_engine import EngineConfig, LLMEngine, cache_salt_keys
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -152,7 +153,7 @@ class LLM:
         and their blocks freed before the exception propagates: the LLM then generates as before."""
         prompts = _normalise_prompts(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
-        return self._run([(p, None, sp) for p, sp in zip(prompts, params)], use_tqdm)
+        return self._run([_Item(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
@@ -167,7 +168,7 @@ class LLM:
         # The template already wrote the special tokens, so encode without adding them again.
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         params = _per_prompt_params(sampling_params, len(texts))
-        return self._run(list(zip(texts, ids, params)), use_tqdm)
+        return self._run([_Item(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
@@ -186,7 +187,8 @@ class LLM:
         for i in range(len(items)):
             if i in beams:
                 prompt, token_ids = beams[i]
-                ordered.append(beam_search(self, prompt, token_ids, items[i][2], request_id=str(next(self._counter))))
+                ordered.append(beam_search(self, prompt, token_ids, items[i].params,
+                                           request_id=str(next(self._counter)), cache_salt=items[i].cache_salt))
             else:
                 ordered.append(results[next(it)])
         return ordered
@@ -218,14 +220,17 @@ class LLM:
         {index: (text, token ids)} of the beam requests, checked the same way (beam_search runs them)."""
         from .beam_search import check_beam_request
         ids, beams = [], {}
-        for index, (prompt, token_ids, sp) in enumerate(items):
+        for index, item in enumerate(items):
+            sp = item.params
             try:
                 sp.validate()  # before use_beam_search reads beam_width
                 if sp.use_beam_search:
-                    beams[index] = check_beam_request(self.llm_engine, prompt, token_ids, sp)
+                    cache_salt_keys(item.cache_salt)
+                    beams[index] = check_beam_request(self.llm_engine, item.prompt, item.token_ids, sp)
                     continue
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, sp, prompt_token_ids=token_ids, stream=False)
+                self.llm_engine.add_request(rid, item.prompt, sp, prompt_token_ids=item.token_ids, stream=False,
+                                            cache_salt=item.cache_salt)
             except BaseException as e:
                 self.llm_engine.abort_request(ids)
                 if isinstance(e, (ValueError, TypeError)):
@@ -344,17 +349,46 @@ def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-def _normalise_prompts(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # a single prompt of token ids
+@dataclass
+class _Item:
+    """One prompt of a generate() / chat() call: its text or ids (add_request's prompt and
+    prompt_token_ids), its params and its cache salt."""
+
+    prompt: str | list[int] | None
+    token_ids: list[int] | None
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _normalise_prompts(prompts) -> list[tuple]:
+    """(prompt, prompt_token_ids, cache_salt) per prompt: strings, token-id lists, and vLLM's prompt
+    dicts, {"prompt": text} or {"prompt_token_ids": ids}, each with an optional "cache_salt"."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [list(prompts)]  # a single prompt of token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
-    return list(prompts)
+    return [_normalise_prompt(i, p) for i, p in enumerate(prompts)]
+
+
+def _normalise_prompt(i: int, p) -> tuple:
+    if isinstance(p, (str, list, tuple)):
+        return p, None, None
+    if not isinstance(p, dict):
+        raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")
+    if set(p) - _PROMPT_KEYS or not {"prompt", "prompt_token_ids"} & set(p):
+        raise ValueError(f"prompts[{i}] must be a dict of 'prompt' (text) or 'prompt_token_ids', and optionally"
+                         f" 'cache_salt'; got keys {sorted(p)}")
+    text, ids = p.get("prompt"), p.get("prompt_token_ids")
+    if (text is not None and not isinstance(text, str)) or (ids is not None and not isinstance(ids, (list, tuple))):
+        raise ValueError(f"prompts[{i}]: 'prompt' must be a string and 'prompt_token_ids' a list of token ids")
+    if ids is not None:  # a text beside the ids is only reported back, as in vLLM
+        return text, list(ids), p.get("cache_salt")
+    return text, None, p.get("cache_salt")
 
 
 def _per_prompt_params(sampling_params, n: int) -> list[SamplingParams]:

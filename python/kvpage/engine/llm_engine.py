@@ -21,6 +21,15 @@ from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_to
 from .sampling_params import SamplingParams
 
 
+def cache_salt_keys(cache_salt: str | None) -> tuple:
+    """The block-hash extra keys of a cache salt (kvpage.core.hashing): () without one."""
+    if cache_salt is None:
+        return ()
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be None or a non-empty string, got {cache_salt!r}")
+    return ("cache_salt", cache_salt)
+
+
 @dataclass
 class EngineConfig:
     num_kv_blocks: int
@@ -84,10 +93,12 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
-                    *, prompt_token_ids: list[int] | None = None, stream: bool = True) -> None:
+                    *, prompt_token_ids: list[int] | None = None, stream: bool = True,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. Raises ValueError (and queues nothing) if it can never run: too long for
         the model (max_model_len) or for the whole KV cache, as vLLM's add_request does.
-        stream=False: step() reports it only once finished, and its text is decoded once at the end."""
+        stream=False: step() reports it only once finished, and its text is decoded once at the end.
+        cache_salt (vLLM's): the request shares prefix-cache blocks only with requests of the same salt."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -100,7 +111,8 @@ class LLMEngine:
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
                                              eos_token_id=eos, stop_token_ids=stop_ids,
                                              ignore_eos=params.ignore_eos,
-                                             prompt_logits=params.prompt_logprobs is not None)
+                                             prompt_logits=params.prompt_logprobs is not None,
+                                             extra_keys=cache_salt_keys(cache_salt))
         state = _RequestState(request, text, params, stream, [_Sample() for _ in range(params.n)],
                               {request.seqs[0].seq_id: 0})
         if params.prompt_logprobs is not None:
@@ -150,7 +162,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
+        token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
         if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise ValueError("prompt must be a string or a non-empty list of int token ids")
         vocab = getattr(self.runner, "vocab_size", None)
