@@ -187,7 +187,8 @@ def test_a_penalised_row_without_its_history_is_an_error():
     ("min_tokens", -1), ("min_tokens", 1.0), ("min_tokens", True), ("min_tokens", 17),  # > max_tokens=16
     ("logprobs", -1), ("logprobs", 2.0), ("logprobs", True), ("logprobs", "5"),
     ("include_stop_str_in_output", 1), ("include_stop_str_in_output", "yes"),
-    ("prompt_logprobs", -1), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("inf")}), ("logit_bias", {"3": 1.0}),
+    ("prompt_logprobs", -1), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("inf")}), ("logit_bias", {3: -1e300}),
+    ("logit_bias", {"3": 1.0}),
     ("logit_bias", [(3, 1.0)]), ("logit_bias", {3: "1"}), ("allowed_token_ids", []), ("allowed_token_ids", [-2]),
     ("allowed_token_ids", 5), ("allowed_token_ids", [1.0]), ("skip_special_tokens", 0), ("bad_words", [""]),
     ("bad_words", [3]),

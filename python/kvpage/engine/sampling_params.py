@@ -14,6 +14,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# The largest finite float32: logits are float32, so a bias beyond it becomes inf there.
+_FLOAT32_MAX = 3.4028234663852886e38
+
 # Containers a list of stops may come in (order never matters: the earliest match wins).
 _COLLECTIONS = (list, tuple, set, frozenset)
 
@@ -31,10 +34,11 @@ def _strings(name: str, value) -> list[str]:
 def _logit_bias(bias) -> dict[int, float] | None:
     if bias is None:
         return None
-    if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b)
+    # Finite in float32, where the logits live: a bias that rounds to inf would turn inf - inf into nan.
+    if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 and _is_number(b) and abs(b) <= _FLOAT32_MAX
                                              for t, b in bias.items()):
-        raise ValueError(f"logit_bias must be None or a dict of non-negative int token ids to finite numbers,"
-                         f" got {bias!r}")
+        raise ValueError(f"logit_bias must be None or a dict of non-negative int token ids to numbers finite in"
+                         f" float32, got {bias!r}")
     return {t: float(b) for t, b in bias.items()}
 
 
