@@ -170,7 +170,7 @@ def test_sliding_window_caps_max_model_len():
 def test_no_sliding_window_keeps_max_position_embeddings():
     from transformers import Qwen2Config
 
-    from kvpage.engine.llm import _max_model_len
+    from kvpage.engine.model_config import max_model_len as _max_model_len
 
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64)) == 512  # not in use
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64, use_sliding_window=True,

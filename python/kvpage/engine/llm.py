@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import secrets
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvpage.core.policies import check_preemption_mode
 
 from .llm_engine import EngineConfig, LLMEngine, cache_salt_keys
+from .model_config import eos_token_ids, max_model_len, resolve_dtype, resolve_seed, resolve_tokenizer
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .prompt_inputs import PromptItem, normalise_prompts, per_prompt_params
 
 logger = logging.getLogger("kvpage")
 
@@ -27,8 +25,6 @@ GPU_KV_CACHE_FRACTION = 0.5
 DEFAULT_SWAP_SPACE_GIB = 0.5
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16}
 
 
 class LLM:
@@ -50,13 +46,13 @@ class LLM:
             raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        seed = _resolve_seed(seed)
+        seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
-        tokenizer = _resolve_tokenizer(tokenizer)
+        tokenizer = resolve_tokenizer(tokenizer)
         from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
-        self.model, loaded_tokenizer = load_model(model, dtype=_resolve_dtype(dtype))
+        self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
         self.kv_cache_dtype = cache_dtype or self.model.dtype
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
@@ -80,8 +76,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_model_len=_max_model_len(config), preemption_mode=preemption_mode,
-            eos_token_ids=_eos_token_ids(self.model, self.tokenizer), seed=seed))
+            max_model_len=max_model_len(config), preemption_mode=preemption_mode,
+            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
                     num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
@@ -151,9 +147,9 @@ class LLM:
         raises ValueError naming the prompt's index (vLLM's behaviour), and the engine stays usable.
         If a step raises anyway (the runner, a KeyboardInterrupt), this call's requests are withdrawn
         and their blocks freed before the exception propagates: the LLM then generates as before."""
-        prompts = _normalise_prompts(prompts)
-        params = _per_prompt_params(sampling_params, len(prompts))
-        return self._run([_Item(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)], use_tqdm)
+        prompts = normalise_prompts(prompts)
+        params = per_prompt_params(sampling_params, len(prompts))
+        return self._run([PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
@@ -167,8 +163,8 @@ class LLM:
                                                     chat_template=chat_template) for c in conversations]
         # The template already wrote the special tokens, so encode without adding them again.
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        params = _per_prompt_params(sampling_params, len(texts))
-        return self._run([_Item(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
+        params = per_prompt_params(sampling_params, len(texts))
+        return self._run([PromptItem(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
@@ -267,143 +263,9 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be an int power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 
-def _resolve_seed(seed) -> int:
-    """The engine-wide sampling seed: an int (the same workload gives the same tokens), or None for a fresh
-    random one per LLM (vLLM's seed=None)."""
-    if seed is None:
-        return secrets.randbits(63)
-    # The range torch.Generator.manual_seed takes.
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
-    return seed
-
-
-def _resolve_tokenizer(tokenizer):
-    """None (the model's own), a local tokenizer directory, or an object with encode and decode."""
-    if tokenizer is None:
-        return None
-    if isinstance(tokenizer, (str, os.PathLike)):
-        if not os.path.isdir(tokenizer):
-            raise ValueError(f"tokenizer must be None, a local tokenizer directory or a tokenizer object;"
-                             f" {str(tokenizer)!r} is no directory")
-        from transformers import AutoTokenizer
-        try:  # local only: a typo must not turn into a download
-            return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"tokenizer: no tokenizer could be loaded from {str(tokenizer)!r}: {e}") from e
-    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
-        raise TypeError(f"tokenizer must be None, a local tokenizer directory or an object with encode and"
-                        f" decode methods, got {type(tokenizer).__name__}")
-    return tokenizer
-
-
-def _resolve_dtype(dtype):
-    # Checked before the model loads: a model object is converted in place (model.to), so a dtype the
-    # kernels cannot take must not reach it.
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype must be None, torch.float32 / float16 / bfloat16 or one of {sorted(_DTYPES)},"
-                     f" got {dtype!r}")
-
-
-def _max_model_len(config) -> int | None:
-    """The model's context, capped at its sliding window where it has one: the kernels attend over
-    the whole sequence, which equals windowed attention only while a sequence fits in the window, so
-    a longer request is refused up front (add_request) rather than failing mid-generation."""
-    limit = getattr(config, "max_position_embeddings", None)
-    window = sliding_window(config)
-    if window is not None and (limit is None or window < limit):
-        logger.info("kvpage: max_model_len capped at the model's sliding window of %d tokens", window)
-        return window
-    return limit
-
-
-def sliding_window(config) -> int | None:
-    """The sliding window some layer of this model attends within, or None (Mistral sets one; Qwen2 only
-    with use_sliding_window; layer_types, where present, says whether any layer uses it)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
 def _blocks_for(config, gib: float, block_size: int, dtype) -> int:
     from kvpage.model import num_blocks_for_memory
     return num_blocks_for_memory(config, gib, block_size, dtype)
-
-
-def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
-    """The generation config's eos ids (HF generate stops on all of them), else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)  # a minimal encode/decode tokenizer may have none
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-
-
-@dataclass
-class _Item:
-    """One prompt of a generate() / chat() call: its text or ids (add_request's prompt and
-    prompt_token_ids), its params and its cache salt."""
-
-    prompt: str | list[int] | None
-    token_ids: list[int] | None
-    params: SamplingParams
-    cache_salt: str | None = None
-
-
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
-
-
-def _normalise_prompts(prompts) -> list[tuple]:
-    """(prompt, prompt_token_ids, cache_salt) per prompt: strings, token-id lists, and vLLM's prompt
-    dicts, {"prompt": text} or {"prompt_token_ids": ids}, each with an optional "cache_salt"."""
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        prompts = [list(prompts)]  # a single prompt of token ids
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
-    return [_normalise_prompt(i, p) for i, p in enumerate(prompts)]
-
-
-def _normalise_prompt(i: int, p) -> tuple:
-    if isinstance(p, (str, list, tuple)):
-        return p, None, None
-    if not isinstance(p, dict):
-        raise ValueError(f"prompts[{i}] must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")
-    if set(p) - _PROMPT_KEYS or not {"prompt", "prompt_token_ids"} & set(p):
-        raise ValueError(f"prompts[{i}] must be a dict of 'prompt' (text) or 'prompt_token_ids', and optionally"
-                         f" 'cache_salt'; got keys {sorted(p)}")
-    text, ids = p.get("prompt"), p.get("prompt_token_ids")
-    if (text is not None and not isinstance(text, str)) or (ids is not None and not isinstance(ids, (list, tuple))):
-        raise ValueError(f"prompts[{i}]: 'prompt' must be a string and 'prompt_token_ids' a list of token ids")
-    if ids is not None:  # a text beside the ids is only reported back, as in vLLM
-        return text, list(ids), p.get("cache_salt")
-    return text, None, p.get("cache_salt")
-
-
-def _per_prompt_params(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != n:
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
-        for i, sp in enumerate(sampling_params):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-        return list(sampling_params)
-    raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
 
 
 def _progress(total: int, use_tqdm: bool):
