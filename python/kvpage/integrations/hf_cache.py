@@ -23,12 +23,11 @@ partly filled block, which is copied first (`ops.copy_blocks`).
 from __future__ import annotations
 
 import operator
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvpage import ops
 from kvpage.ops import memory
@@ -38,6 +37,8 @@ from kvpage.model.attention import (ATTN_IMPLEMENTATION, PAGED_CACHE_KWARG, head
 from kvpage.model.metadata import AttentionMetadata, KVCache
 from kvpage.model.runner import kv_cache_dtype_from_name
 
+from .paged_cache_args import as_device, check_args, decoder_config, index_list
+from .paged_layer import PagedLayer
 from .row_tables import OutOfBlocks, RowTables
 
 # With num_blocks=None the pool has this many block ids and grows its tensors on demand. The pool hands
@@ -106,8 +107,8 @@ class PagedCache(Cache):
     def __init__(self, config: PretrainedConfig, num_blocks: int | None = None, block_size: int = 16,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  kv_cache_dtype: str = "auto") -> None:
-        config = _decoder_config(config)
-        _check_args(num_blocks, block_size, dtype)
+        config = decoder_config(config)
+        check_args(num_blocks, block_size, dtype)
         self.kv_cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)  # None: the K/V dtype
         validate_config(config, dtype or torch.float32)
         self.config = config
@@ -117,7 +118,7 @@ class PagedCache(Cache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
-        self.device = _device(device)
+        self.device = as_device(device)
         if num_blocks is not None:
             self._check_pool_fits(num_blocks)
         self.pool = BlockPool(num_blocks if num_blocks is not None else _GROWABLE_BLOCK_IDS)
@@ -185,10 +186,10 @@ class PagedCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues row beam_idx[i]. Tables are re-pointed, blocks shared by ref count."""
-        self._select_rows(_index_list(beam_idx, "beam_idx", len(self.tables)))
+        self._select_rows(index_list(beam_idx, "beam_idx", len(self.tables)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(_index_list(indices, "indices", len(self.tables)))
+        self._select_rows(index_list(indices, "indices", len(self.tables)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -433,104 +434,3 @@ class PagedCache(Cache):
         if key.dtype != self.dtype or key.device != self.device:
             raise ValueError(f"layer {layer_idx} gives {key.dtype} key states on {key.device}; this PagedCache holds"
                              f" {self.dtype} on {self.device} (pass dtype=/device= to match the model, or None)")
-
-
-class PagedLayer(CacheLayerMixin):
-    """Layer `layer_idx` of a PagedCache, for transformers code that walks `cache.layers`.
-
-    It owns nothing: K/V live in the cache's block pool, and updates, reordering and cropping go
-    through the PagedCache, for all layers at once.
-    """
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
-        super().__init__()
-        self._cache = weakref.ref(cache)  # no cycle: the pool is freed as soon as the cache is dropped
-        self.layer_idx = layer_idx
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, *args, **kwargs):
-        raise TypeError("a PagedCache layer is updated through PagedCache.update(key, value, layer_idx, kwargs=...)")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache().get_mask_sizes(query_length, self.layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self._cache().get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise TypeError("reorder the PagedCache itself (cache.reorder_cache), not one of its layers")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise TypeError("crop the PagedCache itself (cache.crop), not one of its layers")
-
-
-def _decoder_config(config) -> PretrainedConfig:
-    if not isinstance(config, PretrainedConfig):
-        hint = " (pass model.config)" if hasattr(config, "config") else ""
-        raise TypeError(f"config must be a transformers PretrainedConfig{hint}, got {type(config).__name__}")
-    config = config.get_text_config(decoder=True)
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in (None, ATTN_IMPLEMENTATION):
-        raise ValueError(f"config is for attn_implementation={implementation!r}; a PagedCache is read by the"
-                         f" {ATTN_IMPLEMENTATION!r} attention: load the model with"
-                         f" attn_implementation={ATTN_IMPLEMENTATION!r} (or model.set_attn_implementation)")
-    layer_types = getattr(config, "layer_types", None) or ()
-    others = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if others:
-        raise ValueError(f"config has {others} layers; a PagedCache holds attention layers' K/V only")
-    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        value = getattr(config, name, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (name != "num_hidden_layers"):
-            raise ValueError(f"config must define a positive int {name} (a decoder-only LM config), got {value!r}")
-    return config
-
-
-def _check_args(num_blocks, block_size, dtype) -> None:
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
-        raise ValueError(f"num_blocks must be a positive int or None (grow on demand), got {num_blocks!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-            or block_size & (block_size - 1) or block_size > 256:
-        raise ValueError(f"block_size must be a power of two up to 256, got {block_size!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
-
-
-def _index_list(indices, name: str, num_rows: int) -> list[int]:
-    """Row indices as ints in [0, num_rows) (as torch.index_select takes them: no bool mask, no negative index)."""
-    if isinstance(indices, torch.Tensor):
-        if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {indices.dtype} of shape"
-                             f" {tuple(indices.shape)}")
-        values = indices.tolist()
-    else:
-        try:
-            items = list(indices)
-            if any(isinstance(i, bool) for i in items):
-                raise TypeError
-            values = [operator.index(i) for i in items]
-        except TypeError:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {indices!r}") from None
-    bad = [i for i in values if not 0 <= i < num_rows]
-    if bad and num_rows:
-        raise ValueError(f"{name} holds {bad[:4]}, out of range for the cache's {num_rows} rows")
-    return values
-
-
-def _device(device) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"device must be a torch.device, a device string or None, got {device!r} ({e})") from None
