@@ -31,11 +31,21 @@ def test_model_shapes_and_leading_dims(cpu_isa):
     """SmolLM2's fused q/k/v width at decode and prefill row counts; a [1, T, k] input keeps its dims."""
     w, b = torch.randn(960, 576) * 0.05, torch.randn(960)
     packed = pack_linear_weight(w)
-    for rows in (1, 8, 9, 64, 257):
+    for rows in (1, 8, 9, 64, 257, 1000):  # 257, 1000: a prefill, in several row blocks
         x = torch.randn(1, rows, 576)
         out = packed_linear(x, packed, 960, b)
         assert out.shape == (1, rows, 960)
         _close(out, reference.linear(x, w, b), 576)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch(cpu_isa):
+    """Each output is one in-order sum over k, whatever rows share its pass or row block: a prompt's
+    logits do not depend on what else is in the step."""
+    w, x = torch.randn(100, 64), torch.randn(300, 64)
+    packed = pack_linear_weight(w)
+    whole = packed_linear(x, packed, 100)
+    for start, stop in ((0, 1), (5, 9), (127, 131), (200, 300)):
+        assert torch.equal(packed_linear(x[start:stop], packed, 100), whole[start:stop])
 
 
 def test_strided_input_and_weight_are_read_as_values():

@@ -1,4 +1,4 @@
-"""Linear weights prepacked for fast CPU matmuls at decode's small batches.
+"""Linear weights prepacked for fast CPU matmuls: decode's small batches and prefill's long ones.
 
 At decode's few rows per step (M = the batch, tens of tokens) a linear layer is bound by streaming its
 weight from memory, and plain nn.Linear (sgemm) also repacks the weight into its panel format on every
@@ -14,9 +14,12 @@ call. Two packings, chosen by the CPU:
 - Otherwise MKL's packed sgemm (cblas_sgemm_pack through torch.ops.mkl, as torch.compile's CPU backend
   uses it), one matrix per layer: 49.8 vs 56.6 ms plain at M = 37, bit-identical to F.linear from M = 16.
 
+The slab kernel also takes prefill's long batches, in blocks of 128 rows (csrc/cpu/linear_ops.cpp):
+`python bench/linear.py --rows 64 512 2048` on a 2-core AMD EPYC VM (AVX-512, where MKL's sgemm runs
+well below the CPU's peak): 100 / 794 / 3194 ms vs nn.Linear's 206 / 1237 / 4597 (1.44x at 2048 rows).
+
 Either way the packed copy is extra memory (as much again as the linear weights); the modules keep
-their weights, so state_dict, tied embeddings and everything else see no change, and batches outside
-the packed kernel's range (a long prefill) run F.linear on them.
+their weights, so state_dict, tied embeddings and everything else see no change.
 """
 from __future__ import annotations
 
@@ -32,9 +35,6 @@ from kvpage.ops._library import ops as _library_ops
 
 _packed_linear_op = _library_ops.packed_linear.default
 MKL_PACK_BATCH = 64  # the batch MKL tunes its packing for; any batch may use it
-# Above this many rows the slab kernel re-reads its input per slab; sgemm's blocking wins (bench/linear.py:
-# equal to nn.Linear at 256 rows, 1.13x slower at 512).
-MAX_SLAB_ROWS = 256
 # Sibling layers fed the same input, packed and computed together.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -79,8 +79,7 @@ def slab_kernel_available() -> bool:
 
 def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:
     entry = _SLABS.get(self)
-    if (entry is None or x.dtype != torch.float32 or x.device.type != "cpu"
-            or x.numel() > MAX_SLAB_ROWS * x.shape[-1]):
+    if entry is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, self.weight, self.bias)
     fused, start = entry
     out = fused.output(x)

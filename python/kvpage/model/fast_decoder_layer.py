@@ -58,7 +58,6 @@ def _fast_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.T
     if (args or context is None or position_embeddings is None or hidden_states.dim() != 3
             or hidden_states.shape[0] != 1 or hidden_states.dtype != torch.float32
             or hidden_states.device.type != "cpu" or not hidden_states.is_contiguous()
-            or hidden_states.shape[1] > cpu_layout.MAX_SLAB_ROWS
             or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
             or None in (qkv_slab, o_slab, gate_up_slab, down_slab)):  # a deepcopy: no packed weights
         return type(self).forward(self, hidden_states, *args, **kwargs)
