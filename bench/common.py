@@ -25,6 +25,35 @@ def median_time(fn, iters=10, warmup=2, min_seconds=0.0):
     return times[len(times) // 2]
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs since boot, from /proc/stat; None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_idle(max_seconds: float = 15.0, busy_below: float = 0.1, sample: float = 0.25) -> float:
+    """Waits until the machine's CPUs are less than busy_below busy over a `sample`-second window (at most
+    max_seconds); returns the seconds waited. Before each timed run of a paired benchmark: a peer that
+    returns its result may keep spinning (vLLM's CPU worker busy-polls a core for ~1.5 s after a run),
+    which would take a core from the next system's run."""
+    start = time.perf_counter()
+    before = _cpu_times()
+    if before is None:
+        return 0.0
+    while time.perf_counter() - start < max_seconds:
+        time.sleep(sample)
+        after = _cpu_times()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total < busy_below:
+            break
+        before = after
+    return time.perf_counter() - start
+
+
 def read_bandwidth_gbs(num_bytes=1 << 30, iters=5):
     """This machine's memory read bandwidth, as torch's multithreaded sum over a buffer far larger
     than the caches achieves it."""

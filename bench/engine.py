@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, machine_info, print_table, wait_until_idle, write_json  # noqa: E402
 from peers.vllm_launcher import VllmPeer  # noqa: E402
 
 import kvpage  # noqa: E402
@@ -193,6 +193,7 @@ def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache
     ours, theirs, roofs = [], [], []
     try:
         for prompts in by_round:
+            wait_until_idle()  # each system's round starts on a quiet machine
             ours.append(run_kvpage(llm, Workload(prompts, workload.output_lens)))
             if caching:
                 roofs.append(roofline(llm.model.config, ours[-1], workload))
@@ -200,6 +201,7 @@ def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache
             print(f"{name}: {ours[-1]['output_tok_s']:.1f} output tok/s ({ours[-1]['seconds']:.1f}s)", flush=True)
             if peer is not None and peer_error is None:
                 try:
+                    wait_until_idle()
                     theirs.append(peer.run(prompts))
                     print(f"{peer_name}: {theirs[-1]['output_tok_s']:.1f} output tok/s", flush=True)
                 except Exception as e:
