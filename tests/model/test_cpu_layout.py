@@ -56,3 +56,22 @@ def test_fused_siblings_each_return_their_own_projection(packing):
             for proj, inp in ((attn.q_proj, x), (attn.k_proj, x), (attn.v_proj, other), (attn.k_proj, other)):
                 expected = reference.linear(inp, proj.weight, proj.bias)
                 torch.testing.assert_close(proj(inp), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packing", PACKINGS[:1], indirect=True)
+def test_fused_output_is_computed_once_and_let_go_after_the_last_sibling(packing, monkeypatch):
+    """q, k and v on one input: one packed call, and once v has its slice the matrix keeps no output
+    (a prefill's outputs must not stay alive in every layer)."""
+    attn = tiny_model("qwen2").model.layers[0].self_attn
+    prepack_linear_weights(attn)
+    fused = cpu_layout._SLABS[attn.q_proj][0]
+    calls = []
+    compute = fused.compute
+    monkeypatch.setattr(fused, "compute", lambda x: calls.append(x) or compute(x))
+    x = torch.randn(1, 5, attn.q_proj.in_features)
+    with torch.inference_mode():
+        outputs = [proj(x) for proj in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert len(calls) == 1
+    assert fused.last_output is None and fused.last_input is None
+    for proj, out in zip((attn.q_proj, attn.k_proj, attn.v_proj), outputs):
+        torch.testing.assert_close(out, reference.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-5)

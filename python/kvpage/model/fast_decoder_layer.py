@@ -65,7 +65,7 @@ def _fast_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.T
     tokens, d = x.shape[0], attn.head_dim
     h = torch.empty_like(x)
     _rms_norm_op(h, x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-    qkv = qkv_slab[0].output(h)
+    qkv = qkv_slab[0].compute(h)
     widths = (attn.q_proj.out_features, attn.k_proj.out_features)
     q = qkv[:, :widths[0]].view(tokens, -1, d)
     k = qkv[:, widths[0]:widths[0] + widths[1]].view(tokens, -1, d)
@@ -77,14 +77,14 @@ def _fast_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.T
     out = torch.empty(q.shape)
     paged_attention_forward(q_rot, k_rot, v, key_cache, value_cache, context.attn_metadata, scale=attn.scaling,
                             out=out)
-    x = x + o_slab[0].output(out.view(tokens, -1))
+    x = x + o_slab[0].compute(out.view(tokens, -1))
     h = torch.empty_like(x)
     _rms_norm_op(h, x, self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon)
-    gate_up = gate_up_slab[0].output(h)
+    gate_up = gate_up_slab[0].compute(h)
     width = mlp.gate_proj.out_features
     act = torch.empty((tokens, width))
     _silu_and_mul_op(act, gate_up[:, :width], gate_up[:, width:])
-    return (x + down_slab[0].output(act)).unsqueeze(0)
+    return (x + down_slab[0].compute(act)).unsqueeze(0)
 
 
 @torch.inference_mode()
