@@ -4,13 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import hashing
+from .block_moves import BlockMapping, move_tables, num_unique_blocks, on_device, on_host
 from .block_pool import BlockPool
 from .block_table import num_blocks_for, slot_mapping
 from .hashing import ROOT_HASH
 from .prefix_cache import BlockKey
 from .sequence import Sequence, SequenceLike, as_seqs
-
-BlockMapping = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -321,7 +320,7 @@ class BlockManager:
     # -- swap ----------------------------------------------------------------------------------
 
     def can_swap_out(self, seqs: SequenceLike) -> bool:
-        return self._num_unique_blocks(self._on_device(seqs)) <= self.host.num_free_blocks
+        return num_unique_blocks(on_device(seqs)) <= self.host.num_free_blocks
 
     def swap_out(self, seqs: SequenceLike) -> BlockMapping:
         """Move a group's device blocks to the host pool; returns (device, host) pairs for ops.swap_blocks.
@@ -329,18 +328,18 @@ class BlockManager:
         A block shared inside the group moves once and stays shared on the host. The device copies
         keep their prefix-cache entries (as cached blocks), so a later request may still hit them.
         """
-        on_device = self._on_device(seqs)
-        if not self.can_swap_out(on_device):
-            raise RuntimeError(f"cannot swap out: needs {self._num_unique_blocks(on_device)} host blocks,"
+        leaving = on_device(seqs)
+        if not self.can_swap_out(leaving):
+            raise RuntimeError(f"cannot swap out: needs {num_unique_blocks(leaving)} host blocks,"
                                f" {self.host.num_free_blocks} free")
-        mapping = self._move(on_device, self.device, self.host, lambda seq, i: None)
-        for seq in on_device:
+        mapping = move_tables(leaving, self.device, self.host, lambda seq, i: None)
+        for seq in leaving:
             seq.swapped = True
         self._swapped_out += len(mapping)
         return mapping
 
     def can_swap_in(self, seqs: SequenceLike) -> bool:
-        needed = self._num_unique_blocks(self._on_host(seqs))
+        needed = num_unique_blocks(on_host(seqs))
         return needed <= self.device.num_free_blocks - self.watermark_blocks
 
     def swap_in(self, seqs: SequenceLike) -> BlockMapping:
@@ -348,13 +347,13 @@ class BlockManager:
 
         A full computed block whose contents the device prefix cache still holds is reused, not copied.
         """
-        on_host = self._on_host(seqs)
-        needed = self._num_unique_blocks(on_host)
+        returning = on_host(seqs)
+        needed = num_unique_blocks(returning)
         if needed > self.device.num_free_blocks:
             raise RuntimeError(f"cannot swap in: needs {needed} device blocks, {self.device.num_free_blocks} free")
-        mapping = self._move(on_host, self.host, self.device, self._device_hit)
+        mapping = move_tables(returning, self.host, self.device, self._device_hit)
         bs = self.block_size
-        for seq in on_host:
+        for seq in returning:
             seq.swapped = False
             if self._cache is not None:
                 for i in range(seq.num_computed_tokens // bs):
@@ -366,41 +365,6 @@ class BlockManager:
         if self._cache is None or i >= seq.num_computed_tokens // self.block_size:
             return None
         return self._lookup(seq, i)
-
-    @staticmethod
-    def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool, find_existing) -> BlockMapping:
-        """Re-point tables from src to dst, one dst block per distinct src block; returns the copies."""
-        new_of: dict[int, int] = {}
-        copies: BlockMapping = []
-        for seq in seqs:
-            table = []
-            for i, block_id in enumerate(seq.block_table):
-                new = new_of.get(block_id)
-                if new is not None:
-                    dst.incref(new)
-                elif (new := find_existing(seq, i)) is not None:
-                    dst.incref(new)
-                    new_of[block_id] = new
-                else:
-                    new = new_of[block_id] = dst.allocate()
-                    copies.append((block_id, new))
-                table.append(new)
-            for block_id in reversed(seq.block_table):
-                src.decref(block_id)
-            seq.block_table = table
-        return copies
-
-    @staticmethod
-    def _on_device(seqs: SequenceLike) -> list[Sequence]:
-        return [seq for seq in as_seqs(seqs) if seq.block_table and not seq.swapped]
-
-    @staticmethod
-    def _on_host(seqs: SequenceLike) -> list[Sequence]:
-        return [seq for seq in as_seqs(seqs) if seq.swapped]
-
-    @staticmethod
-    def _num_unique_blocks(seqs: list[Sequence]) -> int:
-        return len({block_id for seq in seqs for block_id in seq.block_table})
 
     # -- statistics ----------------------------------------------------------------------------
 

@@ -13,47 +13,18 @@ executing it failed instead, `discard_step` forgets it, so the next schedule() c
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .block_manager import BlockManager, BlockManagerStats
+from .block_manager import BlockManager
 from .block_table import num_blocks_for
-from .cost_model import PreemptionCostModel
-from .policies import VictimPolicy, check_preemption_mode, get_policy
+from .policies import get_policy
 from .request import FinishReason, Request, RequestStatus
+from .scheduler_config import SchedulerConfig, SchedulerStats, check_max_model_len
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence, SequenceGroup
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # prompt + max_tokens beyond this is rejected at admission
-    policy: str | VictimPolicy = "recent"  # "recent" | "least_progress" | a VictimPolicy
-    preemption_mode: str | None = None  # "swap" | "recompute" | None: the policy's, else the cost model's
-    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
-        check_preemption_mode(self.preemption_mode)
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    num_finished: int
-    num_preemptions: int
-    num_swap_preemptions: int
-    num_recompute_preemptions: int
-    blocks: BlockManagerStats
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "check_max_model_len"]
 
 
 @dataclass
@@ -63,16 +34,6 @@ class _Budget:
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.tokens and num_seqs <= self.seqs
-
-
-def check_max_model_len(num_prompt: int, max_tokens: int, max_model_len: int | None, prefix: str = "") -> int:
-    """prompt + max_tokens, or ValueError (message led by prefix) where it exceeds max_model_len: the
-    check add_request and beam search's up-front check share."""
-    total = num_prompt + max_tokens
-    if max_model_len is not None and total > max_model_len:
-        raise ValueError(f"{prefix}prompt of {num_prompt} tokens + max_tokens={max_tokens} = {total}"
-                         f" exceeds max_model_len={max_model_len}")
-    return total
 
 
 class Scheduler:

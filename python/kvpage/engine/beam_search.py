@@ -17,7 +17,7 @@ import torch
 
 from kvpage.core import Sequence
 from kvpage.core.block_table import num_blocks_for
-from kvpage.core.scheduler import check_max_model_len
+from kvpage.core.scheduler_config import check_max_model_len
 
 from .llm_engine import cache_salt_keys
 from .outputs import CompletionOutput, RequestOutput

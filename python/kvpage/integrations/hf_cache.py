@@ -23,7 +23,6 @@ partly filled block, which is copied first (`ops.copy_blocks`).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -38,6 +37,7 @@ from kvpage.model.metadata import AttentionMetadata, KVCache
 from kvpage.model.runner import kv_cache_dtype_from_name
 
 from .paged_cache_args import as_device, check_args, decoder_config, index_list
+from .paged_cache_state import PagedCacheStats, PassLayout, PassUndo
 from .paged_layer import PagedLayer
 from .row_tables import OutOfBlocks, RowTables
 
@@ -46,50 +46,6 @@ from .row_tables import OutOfBlocks, RowTables
 # need to span the peak number of blocks held (4M tokens at block_size 16: more than any memory).
 _GROWABLE_BLOCK_IDS = 1 << 18
 _GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, allocated <= 1.25x peak used
-
-
-@dataclass
-class _Undo:
-    """What the cache held before a forward pass placed its tokens: a pass that fails or is interrupted
-    midway (some layers never wrote their K/V) is taken back to this, never left half-written."""
-
-    started: bool  # the pass began an empty cache: undo empties it again
-    num_columns: int
-    tables: list[tuple[list[int], int]]  # RowTables.snapshot()
-
-
-@dataclass
-class _Step:
-    """One forward pass's layout, built at its first attention layer and read by every layer."""
-
-    batch_size: int
-    query_len: int
-    metadata: AttentionMetadata | None  # None: no row has a real token in this pass
-    token_index: torch.Tensor | None  # real tokens' places in the flat [batch * query_len]; None: all real
-    undo: _Undo | None = None
-    layers_done: set[int] = field(default_factory=set)  # layers whose K/V this pass has written
-
-
-@dataclass(frozen=True)
-class PagedCacheStats:
-    block_size: int
-    bytes_per_block: int  # one block over all layers, K and V
-    num_blocks_allocated: int  # the pool tensors' size (fixed with num_blocks=..., grown on demand otherwise)
-    num_blocks_used: int
-    peak_blocks_used: int
-    num_copy_on_write: int
-
-    @property
-    def kv_bytes_used(self) -> int:
-        return self.num_blocks_used * self.bytes_per_block
-
-    @property
-    def peak_kv_bytes(self) -> int:
-        return self.peak_blocks_used * self.bytes_per_block
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.num_blocks_allocated * self.bytes_per_block
 
 
 class PagedCache(Cache):
@@ -125,7 +81,7 @@ class PagedCache(Cache):
         self.tables = RowTables(self.pool, block_size)
         self.kv_caches: list[KVCache] = []  # per layer (key_cache, value_cache), from ops.allocate_kv_cache
         self._columns = torch.zeros((0, 0), dtype=torch.bool)  # [rows, columns HF has fed]: which are real
-        self._step: _Step | None = None
+        self._step: PassLayout | None = None
         self._pending_layer: int | None = None  # updated, not yet attended: the check that "kvpage" attention runs
         self._peak_blocks = 0
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
@@ -259,7 +215,7 @@ class PagedCache(Cache):
         if step is not None and step.undo is not None and len(step.layers_done) < self.num_layers:
             self._undo(step.undo)
 
-    def _attend(self, step: _Step, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def _attend(self, step: PassLayout, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float | None, sliding_window: int | None) -> torch.Tensor:
         batch, num_heads, query_len, head_size = query.shape
         out = query.new_empty((batch, query_len, num_heads, head_size))
@@ -302,13 +258,13 @@ class PagedCache(Cache):
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def _step_for(self, layer_idx: int, query: torch.Tensor, padding_mask: torch.Tensor | None) -> _Step:
+    def _step_for(self, layer_idx: int, query: torch.Tensor, padding_mask: torch.Tensor | None) -> PassLayout:
         """The current pass's layout; a layer seen before in it means a new pass has begun."""
         step = self._step
         if step is None or layer_idx in step.layers_done:
             self._check_last_pass()
             self._step = None
-            undo = _Undo(not len(self.tables), self.get_seq_length(), self.tables.snapshot())
+            undo = PassUndo(not len(self.tables), self.get_seq_length(), self.tables.snapshot())
             try:
                 step = self._begin_step(query.shape[0], query.shape[2], padding_mask, query.device)
             except BaseException:
@@ -333,7 +289,7 @@ class PagedCache(Cache):
                            f" layers (an exception or interrupt), so its tokens were dropped: the cache holds"
                            f" {self.get_seq_length()} columns, as before that pass. Run the call again")
 
-    def _undo(self, undo: _Undo) -> None:
+    def _undo(self, undo: PassUndo) -> None:
         if undo.started:
             self.tables.clear()
             self._columns = torch.zeros((0, 0), dtype=torch.bool)
@@ -343,7 +299,7 @@ class PagedCache(Cache):
         self._step = None
 
     def _begin_step(self, batch_size: int, query_len: int, padding_mask: torch.Tensor | None,
-                    device: torch.device) -> _Step:
+                    device: torch.device) -> PassLayout:
         """Place this pass's real tokens: blocks (copy-on-write first), slots, block tables, lengths."""
         real = self._real_tokens(batch_size, query_len, padding_mask)
         if not len(self.tables):
@@ -364,11 +320,11 @@ class PagedCache(Cache):
         self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
         rows = [(row, n) for row, n in zip(self.tables.rows, counts) if n]
         if not rows:
-            return _Step(batch_size, query_len, None, None)
+            return PassLayout(batch_size, query_len, None, None)
         metadata = AttentionMetadata.build([n for _, n in rows], [row.num_tokens for row, _ in rows],
                                            [row.block_table for row, _ in rows], slots, device)
         token_index = None if real is None else real.flatten().nonzero().squeeze(1).to(device)
-        return _Step(batch_size, query_len, metadata, token_index)
+        return PassLayout(batch_size, query_len, metadata, token_index)
 
     def _real_tokens(self, batch_size: int, query_len: int, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Which of this pass's tokens are real, bool [B, T] on the CPU; None when all are."""
