@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ATen_fwd.h>
+#include <ATen/core/List.h>
 
 #include <optional>
 
@@ -60,7 +61,16 @@
   void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight);                          \
   /* out [m, n] = input [m, k] @ weight.T + bias, from pack_linear_weight's packed weight. */     \
   void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,          \
-                     const std::optional<at::Tensor>& bias);
+                     const std::optional<at::Tensor>& bias);                                      \
+  /* A Llama pre-norm decoder layer on hidden [tokens, hidden] of one flat step (cpu/decoder_layer.cpp): \
+     weights [input_norm, qkv, o, post_norm, gate_up, down] (linears packed), biases [qkv, o,     \
+     gate_up, down], widths [q, k, v, head_size, intermediate], epsilons of the two norms. */     \
+  at::Tensor llama_decoder_layer(                                                                 \
+      const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, \
+      at::IntArrayRef widths, at::ArrayRef<double> epsilons, double scale, const at::Tensor& cos,  \
+      const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,                      \
+      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, \
+      const at::Tensor& query_start_loc, int64_t max_query_len, bool check_ranges);
 
 namespace kvpage {
 namespace cpu {

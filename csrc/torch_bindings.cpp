@@ -30,6 +30,10 @@ TORCH_LIBRARY(kvpage, m) {
         "Tensor sin) -> ()");
   m.def("pack_linear_weight(Tensor(a!) packed, Tensor weight) -> ()");
   m.def("packed_linear(Tensor(a!) out, Tensor input, Tensor packed, Tensor? bias) -> ()");
+  m.def("llama_decoder_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] widths, float[] epsilons, "
+        "float scale, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, "
+        "bool check_ranges=True) -> Tensor");
 }
 
 #define KVPAGE_REGISTER_BACKEND(ns)                                  \
@@ -47,6 +51,7 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("rotary_embedding", &kvpage::cpu::rotary_embedding);
   m.impl("pack_linear_weight", &kvpage::cpu::pack_linear_weight);
   m.impl("packed_linear", &kvpage::cpu::packed_linear);
+  m.impl("llama_decoder_layer", &kvpage::cpu::llama_decoder_layer);
 }
 
 #ifdef KVPAGE_WITH_CUDA

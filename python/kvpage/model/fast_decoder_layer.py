@@ -1,29 +1,33 @@
-"""A lean forward for Llama-style decoder layers during kvpage's CPU steps: the same kernels, in the same
-order, as the module path, without the Python in between.
+"""A lean forward for Llama-style decoder layers during kvpage's CPU steps: the same kernels, in the
+same order, as the module path, without the Python in between.
 
 Once cpu_layout and fused_layers have packed a layer's linears and swapped its norms and MLP, a decode
 step through HF's modules still costs ~15 module calls and ~40 small torch ops per layer (views,
 transposes, the attention registry lookup, argument plumbing): ~10 ms a step for SmolLM2's 30 layers,
-as much as the arithmetic of a small batch. This forward calls the packed projections, the fused
-RMSNorm / rotary / SiLU ops and the paged attention directly, so its output is bit-identical to the
-module path's; a probe at install time checks exactly that on a small prefill inside a forward context,
-and any call outside a kvpage step (or of a shape it does not take) runs the layer's own forward.
+as much as the arithmetic of a small batch. Calling those ops from Python directly still cost ~45
+dispatches a layer (~5 ms of a 64-sequence decode step); this forward hands the whole layer to one
+C++ op, kvpage::llama_decoder_layer (csrc/cpu/decoder_layer.cpp: RMSNorm, packed q/k/v, rotary,
+cache write, paged attention, o_proj + residual, RMSNorm, packed gate/up, SiLU, down + residual), so
+its output is bit-identical to the module path's; a probe at install time checks exactly that on a
+small prefill inside a forward context, and any call outside a kvpage step (or of a shape it does
+not take) runs the layer's own forward.
 """
 from __future__ import annotations
 
 import types
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from kvpage import ops
 from kvpage.ops._library import ops as _library_ops
+from kvpage.ops.config import range_checks_enabled
 
 from . import cpu_layout, metadata
-from .attention import paged_attention_forward
-from .fused_layers import _rms_norm_op, _silu_and_mul_op
 from .metadata import AttentionMetadata, set_forward_context
 
-_rotary_op = _library_ops.rotary_embedding.default
+_decoder_layer_op = _library_ops.llama_decoder_layer.default
 LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
 
 
@@ -49,42 +53,54 @@ def _shape_ok(layer) -> bool:
             and isinstance(getattr(attn, "layer_idx", None), int))
 
 
+@dataclass(frozen=True)
+class _LayerArgs:
+    """A layer's constant arguments to the fused op, gathered once at install."""
+
+    weights: list[torch.Tensor]  # [input_norm, qkv, o, post_norm, gate_up, down], the linears packed
+    biases: list[torch.Tensor | None]  # [qkv, o, gate_up, down]
+    widths: list[int]  # [q, k, v, head_size, intermediate]
+    epsilons: list[float]
+    scale: float
+    layer_idx: int
+
+
+# layer -> its _LayerArgs; kept off the layer, like cpu_layout's slabs, so a deepcopy of the model finds
+# no entry and runs HF's code rather than another model's packed weights.
+_LAYER_ARGS: "weakref.WeakKeyDictionary[torch.nn.Module, _LayerArgs]" = weakref.WeakKeyDictionary()
+
+
+def _layer_args(layer) -> _LayerArgs | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    slabs = [_slab(m) for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
+    if None in slabs:
+        return None
+    qkv, o, gate_up, down = (entry[0] for entry in slabs)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return _LayerArgs(
+        weights=[norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],
+        biases=[qkv.bias, o.bias, gate_up.bias, down.bias],
+        widths=[attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features, attn.head_dim,
+                mlp.gate_proj.out_features],
+        epsilons=[float(n.variance_epsilon) for n in norms], scale=attn.scaling, layer_idx=attn.layer_idx)
+
+
 def _fast_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     context = metadata._forward_context
     position_embeddings = kwargs.get("position_embeddings")
-    attn, mlp = self.self_attn, self.mlp
-    qkv_slab, o_slab, gate_up_slab, down_slab = (_slab(attn.q_proj), _slab(attn.o_proj), _slab(mlp.gate_proj),
-                                                 _slab(mlp.down_proj))
-    if (args or context is None or position_embeddings is None or hidden_states.dim() != 3
+    layer = _LAYER_ARGS.get(self)
+    if (args or context is None or layer is None or position_embeddings is None or hidden_states.dim() != 3
             or hidden_states.shape[0] != 1 or hidden_states.dtype != torch.float32
             or hidden_states.device.type != "cpu" or not hidden_states.is_contiguous()
-            or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
-            or None in (qkv_slab, o_slab, gate_up_slab, down_slab)):  # a deepcopy: no packed weights
+            or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))):
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    x = hidden_states[0]
-    tokens, d = x.shape[0], attn.head_dim
-    h = torch.empty_like(x)
-    _rms_norm_op(h, x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-    qkv = qkv_slab[0].compute(h)
-    widths = (attn.q_proj.out_features, attn.k_proj.out_features)
-    q = qkv[:, :widths[0]].view(tokens, -1, d)
-    k = qkv[:, widths[0]:widths[0] + widths[1]].view(tokens, -1, d)
-    v = qkv[:, widths[0] + widths[1]:].view(tokens, -1, d)
+    meta = context.attn_metadata
+    key_cache, value_cache = context.kv_caches[layer.layer_idx]
     cos, sin = position_embeddings
-    q_rot, k_rot = torch.empty(q.shape), torch.empty(k.shape)
-    _rotary_op(q_rot, k_rot, q, k, cos[0], sin[0])
-    key_cache, value_cache = context.kv_caches[attn.layer_idx]
-    out = torch.empty(q.shape)
-    paged_attention_forward(q_rot, k_rot, v, key_cache, value_cache, context.attn_metadata, scale=attn.scaling,
-                            out=out)
-    x = x + o_slab[0].compute(out.view(tokens, -1))
-    h = torch.empty_like(x)
-    _rms_norm_op(h, x, self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon)
-    gate_up = gate_up_slab[0].compute(h)
-    width = mlp.gate_proj.out_features
-    act = torch.empty((tokens, width))
-    _silu_and_mul_op(act, gate_up[:, :width], gate_up[:, width:])
-    return (x + down_slab[0].compute(act)).unsqueeze(0)
+    return _decoder_layer_op(hidden_states[0], layer.weights, layer.biases, layer.widths, layer.epsilons,
+                             layer.scale, cos[0], sin[0], key_cache, value_cache, meta.slot_mapping,
+                             meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                             range_checks_enabled()).unsqueeze(0)
 
 
 @torch.inference_mode()
@@ -113,8 +129,9 @@ def install_fast_decoder_layers(model: torch.nn.Module) -> int:
         return 0
     installed = 0
     for layer in model.modules():
-        if "forward" in vars(layer) or not _shape_ok(layer):
+        if "forward" in vars(layer) or not _shape_ok(layer) or (args := _layer_args(layer)) is None:
             continue
+        _LAYER_ARGS[layer] = args
         try:
             same = _reproduces(model, layer)
         except Exception:  # a layer whose own forward wants other arguments: leave it to its code
@@ -122,4 +139,6 @@ def install_fast_decoder_layers(model: torch.nn.Module) -> int:
         if same:
             layer.forward = types.MethodType(_fast_forward, layer)
             installed += 1
+        else:
+            _LAYER_ARGS.pop(layer, None)
     return installed
