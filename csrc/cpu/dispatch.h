@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -18,17 +19,26 @@ const KernelTable& active_kernels();
 void set_isa(const std::string& name);
 std::vector<std::string> available_isas();
 
-// Runs body(item, scratch) for item in [0, num_items) on torch's intra-op threads. Items are
-// handed out one at a time, so sequences of very different lengths still balance across cores.
+// Runs body(item, scratch) for item in [0, num_items) on torch's intra-op threads. Items are handed
+// out a few at a time from a shared counter, so sequences of very different lengths still balance
+// across cores. One item at a time cost ~10% of a decode step (SmolLM2, 64 sequences: 192 items of
+// ~1 us per layer): every grab is a locked add on a line the other core just wrote. Runs of
+// num_items / (16 * workers) bound the imbalance to ~1/16 of a worker's share.
 template <typename Body>
 void parallel_items(int64_t num_items, int64_t scratch_floats, const Body& body) {
   if (num_items <= 0) return;
-  std::atomic<int64_t> next{0};
+  struct alignas(64) Counter {  // a cache line of its own: nothing else on it bounces with the counter
+    std::atomic<int64_t> next{0};
+  } counter;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t run = std::max<int64_t>(1, num_items / (16 * workers));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(static_cast<size_t>(scratch_floats));
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) body(i, scratch.data());
+      for (int64_t first = counter.next.fetch_add(run); first < num_items; first = counter.next.fetch_add(run)) {
+        const int64_t last = std::min(num_items, first + run);
+        for (int64_t i = first; i < last; ++i) body(i, scratch.data());
+      }
     }
   });
 }

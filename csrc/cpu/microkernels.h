@@ -5,8 +5,10 @@
 // vector loaded from L1 feeds several FMAs. AVX-512 builds run blocks of 4 rows through the same
 // kernels at 16 lanes: the 32 vector registers hold 4 rows x 4 tokens of score accumulators, or 4
 // rows x 64 lanes of output, so a Llama-3 GQA group of 4 (and prefill's many rows) reads each K/V
-// vector once per 4 rows; the 1-3 rows left (SmolLM2's group of 3) keep 8 lanes, as fast there
-// (bench/attention_isa.py: 4-row blocks 1.15-1.28x Llama-3-8B decode, 1.17-1.30x prefill).
+// vector once per 4 rows, and a 3-row rest (SmolLM2's group of 3) runs at 16 lanes too; 1-2 rows
+// left keep 8 lanes (bench/attention_isa.py: 4-row blocks 1.15-1.28x Llama-3-8B decode, 1.17-1.30x
+// prefill; 16-lane 3-row blocks 1.03-1.11x SmolLM2 decode on a Zen 5 VM, whose 512-bit FMAs are
+// full width, where Zen 4's double-pumped ones measured 8 lanes as fast).
 // Other builds get plain loops the compiler vectorises. AVX2 builds score sets of 8 or more rows
 // with attention_wide.h instead (rows across the lanes). Included inside the ISA namespace, after vec.h.
 #pragma once
@@ -94,13 +96,15 @@ void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s,
 
 // Scores of rows [0, rows) (q stride d, s stride s_stride) against tokens [0, n) of k. With 8 lanes,
 // three-row blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16
-// registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone.
+// registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone. AVX-512 takes 4-row
+// blocks, then a 3-row rest, at 16 lanes (32 registers).
 KVPAGE_KERNEL_INLINE
 void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
                   int64_t s_stride) {
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; rows - r >= 4; r += 4) scores_rows<Lanes16, 4>(q + r * d, k, n, d, s + r * s_stride, s_stride);
+  if (rows - r == 3) return scores_rows<Lanes16, 3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 #endif
   for (; rows - r >= 3 && rows - r != 4; r += 3)
     scores_rows<Lanes8, 3>(q + r * d, k, n, d, s + r * s_stride, s_stride);
@@ -148,6 +152,7 @@ void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p
 #if defined(__AVX512F__)
   for (; rows - r >= 4; r += 4)
     values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
+  if (rows - r == 3) return values_rows<Lanes16, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
 #endif
   for (; rows - r >= 3 && rows - r != 4; r += 3)
     values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
