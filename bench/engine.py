@@ -6,8 +6,9 @@ fp32, all threads, every system in this one benchmark run. Every engine gets the
 first warms up on a workload of the same shapes with other tokens (nothing a prefix cache could reuse).
 vLLM (with --vllm) runs in its own venv and process (bench/peers/); kvpage and vLLM run with prefix caching
 on and off, each peer compared with kvpage at the same setting. Also the FLOP roofline: the model FLOPs
-kvpage computed (prompt tokens not served from the prefix cache + output tokens) at the FLOP rate of a large
-fp32 matmul measured here. Writes bench/results/engine.json and engine.png and prints a table.
+kvpage computed (prompt tokens not served from the prefix cache + output tokens) at the FLOP rate of the
+fastest large fp32 matmul measured here (torch's, or kvpage's slab kernel). Writes
+bench/results/engine.json and engine.png and prints a table.
 
 This machine's speed drifts by +-15% over minutes, so kvpage and vLLM take turns: ROUNDS timed runs each
 per setting, alternating (vLLM's engine stays up between its runs), every round on its own variant of the
@@ -36,7 +37,9 @@ from peers.vllm_launcher import VllmPeer  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, make_workload, percentile, quick_workload, run_kvpage  # noqa: E402
+from kvpage.model import cpu_layout  # noqa: E402
 from kvpage.model.loader import default_model_dir  # noqa: E402
+from kvpage.ops import layers  # noqa: E402
 
 STATIC_BATCH = 16
 ROUNDS = 3
@@ -46,15 +49,25 @@ MARKER_WORDS = ("Note", "Memo", "Draft", "Copy", "Aside", "Brief", "Entry", "Rec
 
 
 def matmul_flops_per_s(n: int = 1024, iters: int = 10, samples: int = 5) -> float:
-    """The fp32 FLOP rate of an n^3 matmul: the median of `samples` timings of `iters` products (one short
-    sample swings by +-20% on this shared machine)."""
+    """The fp32 FLOP rate of the fastest n^3 matmul here: torch's (MKL's sgemm) or, where the CPU runs
+    it, kvpage's slab kernel (on AMD CPUs MKL takes a slow path: 192 vs ~400 GFLOP/s on a Zen 5 VM, so
+    MKL alone made a roofline kvpage ran above). Median of `samples` timings of `iters` products (one
+    short sample swings by +-20% on this shared machine)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    products = [lambda: a @ b]
+    if cpu_layout.slab_kernel_available():
+        packed = layers.pack_linear_weight(b.t().contiguous())
+        products.append(lambda: layers.packed_linear(a, packed, n))
+    return max(_flop_rate(product, n, iters, samples) for product in products)
+
+
+def _flop_rate(product, n: int, iters: int, samples: int) -> float:
+    product()
     rates = []
     for _ in range(samples):
         start = time.perf_counter()
         for _ in range(iters):
-            a @ b
+            product()
         rates.append(2 * n**3 * iters / (time.perf_counter() - start))
     return sorted(rates)[samples // 2]
 
