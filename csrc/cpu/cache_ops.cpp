@@ -46,6 +46,25 @@ void write_fp8(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, con
   });
 }
 
+// The write for a 16-bit cache under float32 compute: each element rounded to nearest even (c10's
+// conversion, what torch's .to(dtype) does) instead of copied.
+template <typename CacheT>
+void write_narrowed(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, const CacheShape& cache) {
+  const float* in = src.data_ptr<float>();
+  CacheT* base = static_cast<CacheT*>(dst.data_ptr());
+  at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t block = slots[t] / cache.block_size, offset = slots[t] % cache.block_size;
+      for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
+        const float* row = in + t * src.stride(0) + h * src.stride(1);
+        CacheT* out = base + ((block * cache.num_kv_heads + h) * cache.block_size + offset) * cache.head_size;
+        for (int64_t i = 0; i < cache.head_size; ++i) out[i] = CacheT(row[i]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -57,6 +76,14 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     write_fp8(key, key_cache, slots, cache, k_scale);
     write_fp8(value, value_cache, slots, cache, v_scale);
+    return;
+  }
+  if (key.scalar_type() != key_cache.scalar_type()) {  // float32 into float16 / bfloat16 (checked)
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "reshape_and_cache_narrowed", [&] {
+      write_narrowed<scalar_t>(key, key_cache, slots, cache);
+      write_narrowed<scalar_t>(value, value_cache, slots, cache);
+    });
     return;
   }
 

@@ -78,7 +78,18 @@ inline void load_as_float(kvpage::cpu::DType dtype, const void* src, float* dst,
     return;
   }
   const uint16_t* s = static_cast<const uint16_t*>(src);
-#if defined(KVPAGE_VEC_AVX2)
+#if defined(__AVX512F__)
+  // 16 lanes a step: a 16-bit cache's tiles convert at half the instructions of the 8-lane loops.
+  if (dtype == DType::kHalf) {
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+  } else {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + i)));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+  }
+#elif defined(KVPAGE_VEC_AVX2)
   if (dtype == DType::kHalf) {
     for (int64_t i = 0; i < n; i += 8)
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));

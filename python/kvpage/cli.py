@@ -159,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
         p.add_argument("--num-kv-blocks", type=int, default=None)
-        p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
-                       help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32 (not token-identical)")
+        p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"),
+                       default="auto", help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32; bfloat16 /"
+                       " float16: 2x (CPU, float32 model); neither is token-identical")
         p.add_argument("--max-tokens", type=int, default=64 if name != "chat" else 256)
         p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
         p.add_argument("--top-p", type=float, default=1.0)

@@ -56,7 +56,7 @@ def test_fp8_cache_holds_four_times_the_tokens_of_fp32(llm):
     assert engine.runner.kv_cache_bytes_per_block() * 4 == fp32
 
 
-@pytest.mark.parametrize("bad", ["fp8_e5m2", "float16", None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("bad", ["fp8_e5m2", "half", None, torch.float8_e4m3fn])
 def test_unknown_kv_cache_dtype_names_the_argument(llm, bad):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(llm, kv_cache_dtype=bad)

@@ -57,3 +57,21 @@ def test_fp8_paged_cache_rejects_unknown_names(bad):
     model.set_attn_implementation("kvpage")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         PagedCache(model.config, kv_cache_dtype=bad)
+
+
+@pytest.mark.parametrize("name,cache_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_16_bit_paged_cache_follows_rounded_reference(name, cache_dtype):
+    """A float32 model's K/V in 16 bits (CPU): HF generate follows sdpa over K/V rounded the same way."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(random_prompts([5, 23, 40, 9]), pad_id=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16)
+    with torch.inference_mode():
+        model.set_attn_implementation(reference.register_hf_rounded_kv_attention(cache_dtype))
+        expected = model.generate(ids, cache=DynamicCache(config=model.config), output_logits=True,
+                                  return_dict_in_generate=True, **kwargs)
+        model.set_attn_implementation("kvpage")
+        cache = PagedCache(model.config, kv_cache_dtype=name)
+        got = model.generate(ids, cache=cache, **kwargs)
+    assert_rows_follow(got, expected.sequences, expected.logits, ids.shape[1])
+    assert all(k.dtype == cache_dtype for kv in cache.kv_caches for k in kv)
+    assert cache.bytes_per_block() * 2 == PagedCache(model.config).bytes_per_block()

@@ -185,10 +185,14 @@ def test_dtype_rules():
     half_caches = ops.allocate_kv_cache(2, 16, 1, 64, torch.float16)
     with pytest.raises(TypeError, match="query dtype"):  # fp8 is a cache dtype, not a compute dtype
         ops.paged_attention(torch.zeros(1, 1, 64, dtype=FP8), *fp8_caches, int32([[0]]), int32([1]))
-    with pytest.raises(TypeError, match="query dtype"):  # mixing stays an fp8-cache privilege
-        ops.paged_attention(torch.zeros(1, 1, 64), *half_caches, int32([[0]]), int32([1]))
+    # Besides fp8, only float32 compute over a 16-bit cache mixes (tests/ops/test_narrowed_cache_ops.py).
+    with pytest.raises(TypeError, match="query dtype"):
+        ops.paged_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), *half_caches, int32([[0]]), int32([1]))
     with pytest.raises(TypeError, match="key dtype"):
-        x = torch.zeros(1, 1, 64)
+        x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
         ops.reshape_and_cache(x, x, *half_caches, torch.tensor([0]))
+    with pytest.raises(TypeError, match="value dtype"):  # key and value in one dtype
+        ops.reshape_and_cache(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64, dtype=torch.float16), *half_caches,
+                              torch.tensor([0]))
     with pytest.raises(TypeError, match="dtype must be one of"):
         ops.allocate_kv_cache(2, 16, 1, 64, torch.float8_e5m2)

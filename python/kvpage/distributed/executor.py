@@ -139,9 +139,9 @@ class TensorParallelExecutor:
     def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                  cache_dtype: torch.dtype | None = None) -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
-        cache_dtype: the model's dtype (None) or float8_e4m3fn."""
-        fp8 = cache_dtype == torch.float8_e4m3fn
-        h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, fp8)
+        cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES."""
+        own = None if cache_dtype == self.model.dtype else cache_dtype
+        h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, own)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]

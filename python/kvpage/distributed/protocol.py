@@ -33,8 +33,10 @@ _SLOTS = ("kind", "message", "num_seqs", "num_tokens", "width", "num_sampled", "
 KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN, MAX_SEQ_LEN, \
     PAYLOAD_LEN = range(len(_SLOTS))
 HEADER_LEN = len(_SLOTS)
-# An ALLOCATE message's fields, in size slots (KV_CACHE_FP8: 1 for float8_e4m3fn caches).
-NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_FP8 = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED
+# An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES).
+NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED
+# The cache dtypes a rank can be asked for: None is the model's own.
+CACHE_DTYPES = (None, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
 
 
@@ -59,9 +61,14 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 
 
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                    kv_cache_fp8: bool = False) -> torch.Tensor:
+                    cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
-                  num_sampled=int(kv_cache_fp8))
+                  num_sampled=CACHE_DTYPES.index(cache_dtype))
+
+
+def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:
+    """An ALLOCATE header's cache dtype (None: the model's)."""
+    return CACHE_DTYPES[int(h[KV_CACHE_DTYPE])]
 
 
 def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,8 +33,10 @@ class LLM:
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto") -> None:
-        """kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
-        scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical)."""
+        """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
+        scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
+        "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
+        twice the tokens per GiB, half the bytes decode attention reads; not token-identical either)."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
@@ -50,10 +52,12 @@ class LLM:
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
         from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
+        from kvpage.model.runner import check_cache_dtype
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
         self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
         self.kv_cache_dtype = cache_dtype or self.model.dtype
+        check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
         self.tensor_parallel_size = tensor_parallel_size

@@ -56,7 +56,8 @@ class PagedCache(Cache):
     grows it on demand. block_size: tokens per block (a power of two up to 256). dtype, device: of the
     K/V; None takes them from the model's first forward pass. kv_cache_dtype: "auto" stores K/V in
     that dtype, "fp8" (= "fp8_e4m3") as float8_e4m3fn with scales of 1.0 (a quarter of float32's
-    memory; attention reads them back, so outputs differ slightly from the model's own cache). One
+    memory; attention reads them back, so outputs differ slightly from the model's own cache), or
+    "bfloat16" / "float16" in 16 bits under a float32 model on CPU (half the memory). One
     cache serves one batch (one `generate` call, or several that continue it); `reset()` empties it.
     """
 

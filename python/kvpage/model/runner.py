@@ -57,8 +57,19 @@ class ModelInput:
 
 # vLLM's kv_cache_dtype names: "auto" keeps the model's dtype; "fp8" (= "fp8_e4m3") stores K/V as
 # float8_e4m3fn with per-tensor scales of 1.0 (vLLM's default without calibrated scales): a quarter
-# of float32's memory, so four times the tokens in the same budget.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# of float32's memory, so four times the tokens in the same budget; "bfloat16" / "float16" store a
+# float32 model's K/V in 16 bits on CPU (rounded to nearest even; attention computes in float32):
+# half the memory and half the bytes decode attention reads.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_cache_dtype(cache_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
+    """A cache dtype the kernels pair with compute in `dtype` on `device`, or ValueError."""
+    narrowed = dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
+    if cache_dtype not in (dtype, torch.float8_e4m3fn) and not narrowed:
+        raise ValueError(f"kv_cache_dtype must be the model's dtype {dtype}, float8_e4m3fn or, for a float32"
+                         f" model on CPU, bfloat16 / float16; got {cache_dtype} for a {dtype} model on {device.type}")
 
 
 def kv_cache_dtype_from_name(name) -> torch.dtype | None:
@@ -92,13 +103,12 @@ class ModelRunner:
                  kv_cache_dtype: torch.dtype | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
-        model's dtype (None, the default) or float8_e4m3fn (see KV_CACHE_DTYPES)."""
+        model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
+        CPU (see KV_CACHE_DTYPES)."""
         config = model.config
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
-        if self.cache_dtype not in (self.dtype, torch.float8_e4m3fn):
-            raise ValueError(f"kv_cache_dtype must be the model's dtype {self.dtype} or float8_e4m3fn,"
-                             f" got {self.cache_dtype}")
+        check_cache_dtype(self.cache_dtype, self.dtype, next(model.parameters()).device)
         validate_config(config, self.dtype)
         if model.dtype != self.dtype:
             # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.

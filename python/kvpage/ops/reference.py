@@ -21,25 +21,47 @@ def dequantize(cache, scale=1.0):
     return cache.float()
 
 
-def hf_fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention over K/V rounded through an fp8 cache (quantize_fp8 at scale 1.0,
-    then back): the reference for generation with kv_cache_dtype="fp8" (register_hf_fp8_kv_attention).
+def round_through_cache(x, cache_dtype):
+    """x as a cache of cache_dtype holds it, read back in x's dtype: fp8 codes at scale 1.0
+    (quantize_fp8), a 16-bit cache rounded to nearest even, x's own dtype unchanged."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return quantize_fp8(x).to(x.dtype)
+    return x.to(cache_dtype).to(x.dtype)
+
+
+def hf_rounded_kv_attention(cache_dtype):
+    """transformers' sdpa attention over K/V rounded through a cache of cache_dtype: the reference for
+    generation with kv_cache_dtype="fp8" / "bfloat16" / "float16" (register_hf_rounded_kv_attention).
     Re-rounding K/V already rounded is a no-op, so it may see the whole past at every step."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    key, value = (quantize_fp8(t).to(query.dtype) for t in (key, value))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = (round_through_cache(t, cache_dtype).to(query.dtype) for t in (key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
 
 
-def register_hf_fp8_kv_attention(name="kvpage_reference_fp8_kv_sdpa"):
-    """Registers hf_fp8_kv_attention, with sdpa's mask builder (a padded batch needs its mask), as
-    attn_implementation `name`; returns the name."""
+def hf_fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """hf_rounded_kv_attention for an fp8 cache."""
+    return hf_rounded_kv_attention(torch.float8_e4m3fn)(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_hf_rounded_kv_attention(cache_dtype, name=None):
+    """Registers hf_rounded_kv_attention(cache_dtype), with sdpa's mask builder (a padded batch needs
+    its mask), as attn_implementation `name`; returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(name, hf_fp8_kv_attention)
+    name = name or f"kvpage_reference_{str(cache_dtype).removeprefix('torch.')}_kv_sdpa"
+    AttentionInterface.register(name, hf_rounded_kv_attention(cache_dtype))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return name
+
+
+def register_hf_fp8_kv_attention(name="kvpage_reference_fp8_kv_sdpa"):
+    """register_hf_rounded_kv_attention for an fp8 cache."""
+    return register_hf_rounded_kv_attention(torch.float8_e4m3fn, name)
 
 
 def gather_kv(cache, block_table, seq_len, scale=1.0):
