@@ -24,6 +24,20 @@ void quantize_row(const T* in, uint8_t* out, int64_t n, float inverse_scale) {
   }
 }
 
+// Calls write(t, h, cache_row) for each token t with a slot and each KV head h, cache_row the
+// element index of its row in the cache: the token loop every write below shares.
+template <typename Write>
+void for_each_slot_row(int64_t num_tokens, const int64_t* slots, const CacheShape& cache, const Write& write) {
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t block = slots[t] / cache.block_size, offset = slots[t] % cache.block_size;
+      for (int64_t h = 0; h < cache.num_kv_heads; ++h)
+        write(t, h, ((block * cache.num_kv_heads + h) * cache.block_size + offset) * cache.head_size);
+    }
+  });
+}
+
 // The write for fp8 caches: per token and head, quantise instead of copying. Only this step's
 // tokens pass through here, so a scalar loop costs little next to the layer's matmuls.
 void write_fp8(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, const CacheShape& cache,
@@ -32,16 +46,8 @@ void write_fp8(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, con
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "reshape_and_cache_fp8", [&] {
     const scalar_t* in = src.data_ptr<scalar_t>();
     uint8_t* base = static_cast<uint8_t*>(dst.data_ptr());
-    at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        if (slots[t] < 0) continue;
-        const int64_t block = slots[t] / cache.block_size, offset = slots[t] % cache.block_size;
-        for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
-          const int64_t tile = (block * cache.num_kv_heads + h) * cache.block_size + offset;
-          quantize_row(in + t * src.stride(0) + h * src.stride(1), base + tile * cache.head_size,
-                       cache.head_size, inverse_scale);
-        }
-      }
+    for_each_slot_row(src.size(0), slots, cache, [&](int64_t t, int64_t h, int64_t row) {
+      quantize_row(in + t * src.stride(0) + h * src.stride(1), base + row, cache.head_size, inverse_scale);
     });
   });
 }
@@ -52,16 +58,9 @@ template <typename CacheT>
 void write_narrowed(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, const CacheShape& cache) {
   const float* in = src.data_ptr<float>();
   CacheT* base = static_cast<CacheT*>(dst.data_ptr());
-  at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      const int64_t block = slots[t] / cache.block_size, offset = slots[t] % cache.block_size;
-      for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
-        const float* row = in + t * src.stride(0) + h * src.stride(1);
-        CacheT* out = base + ((block * cache.num_kv_heads + h) * cache.block_size + offset) * cache.head_size;
-        for (int64_t i = 0; i < cache.head_size; ++i) out[i] = CacheT(row[i]);
-      }
-    }
+  for_each_slot_row(src.size(0), slots, cache, [&](int64_t t, int64_t h, int64_t row) {
+    const float* x = in + t * src.stride(0) + h * src.stride(1);
+    for (int64_t i = 0; i < cache.head_size; ++i) base[row + i] = CacheT(x[i]);
   });
 }
 
@@ -89,21 +88,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
   const int64_t es = key.element_size(), row_bytes = cache.head_size * es;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const auto copy_token = [&](const at::Tensor& src, at::Tensor& dst, int64_t t, int64_t slot) {
-    const char* in = static_cast<const char*>(src.data_ptr()) + t * src.stride(0) * es;
-    char* base = static_cast<char*>(dst.data_ptr());
-    const int64_t block = slot / cache.block_size, offset = slot % cache.block_size;
-    for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
-      const int64_t tile = (block * cache.num_kv_heads + h) * cache.block_size + offset;
-      std::memcpy(base + tile * row_bytes, in + h * src.stride(1) * es, row_bytes);
-    }
-  };
-  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      copy_token(key, key_cache, t, slots[t]);
-      copy_token(value, value_cache, t, slots[t]);
-    }
+  const char *k_in = static_cast<const char*>(key.data_ptr()), *v_in = static_cast<const char*>(value.data_ptr());
+  char *k_out = static_cast<char*>(key_cache.data_ptr()), *v_out = static_cast<char*>(value_cache.data_ptr());
+  for_each_slot_row(key.size(0), slots, cache, [&](int64_t t, int64_t h, int64_t row) {
+    std::memcpy(k_out + row * es, k_in + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+    std::memcpy(v_out + row * es, v_in + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
   });
 }
 
