@@ -38,19 +38,18 @@ bool same_view(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // What a cache accepts as query / key / value: a compute dtype, the cache's own unless the cache is
-// fp8 (quantised on write, dequantised on read; fp8 itself never computes) or, on CPU, a 16-bit
-// cache under float32 compute (vLLM's kv_cache_dtype="bfloat16" / "float16" for a float32 model:
-// rounded on write, widened on read; the CUDA kernels have no such pairing yet).
-bool matches_cache(at::ScalarType t, const at::Tensor& key_cache) {
-  const at::ScalarType cache_dtype = key_cache.scalar_type();
-  const bool narrowed = t == at::kFloat && (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16) &&
-                        key_cache.device().is_cpu();
+// fp8 (quantised on write, dequantised on read; fp8 itself never computes) or, where the backend
+// takes it, a 16-bit cache under float32 compute (vLLM's kv_cache_dtype="bfloat16" / "float16" for a
+// float32 model: rounded on write, widened on read; the CPU backend does, the CUDA one not yet).
+bool matches_cache(at::ScalarType t, at::ScalarType cache_dtype, bool float32_over_16bit) {
+  const bool narrowed = float32_over_16bit && t == at::kFloat &&
+                        (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16);
   return is_supported_float(t) && (t == cache_dtype || is_fp8_cache(cache_dtype) || narrowed);
 }
 
 constexpr const char* kCacheDtypeRule =
     " (it must be the same, float32/float16/bfloat16 with an fp8 cache, or float32 with a float16/bfloat16"
-    " cache on CPU)";
+    " cache on the CPU backend)";
 
 }  // namespace
 
@@ -99,10 +98,11 @@ CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_c
 }
 
 int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheShape& cache,
-                    const at::Tensor& key_cache) {
+                    const at::Tensor& key_cache, bool float32_over_16bit) {
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
                     query.dim(), " dims");
-  TORCH_CHECK_TYPE(matches_cache(query.scalar_type(), key_cache), "query dtype ", query.scalar_type(),
+  TORCH_CHECK_TYPE(matches_cache(query.scalar_type(), key_cache.scalar_type(), float32_over_16bit),
+                   "query dtype ", query.scalar_type(),
                    " does not match key_cache dtype ", key_cache.scalar_type(), kCacheDtypeRule);
   TORCH_CHECK_VALUE(query.device() == key_cache.device(),
                     "query must be on the same device as key_cache");
@@ -144,10 +144,10 @@ void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache
 CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double k_scale, double v_scale) {
+                                  double k_scale, double v_scale, bool float32_over_16bit) {
   const CacheShape cache = check_kv_cache(key_cache, value_cache);
   check_kv_scales(k_scale, v_scale, key_cache);
-  check_query(query, out, cache, key_cache);
+  check_query(query, out, cache, key_cache, float32_over_16bit);
   check_index_tensor(block_tables, "block_tables", at::kInt, 2, key_cache);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, key_cache);
   TORCH_CHECK_VALUE(block_tables.size(0) == seq_lens.size(0), "block_tables has ",
@@ -172,11 +172,12 @@ void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t p
 namespace {
 
 void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
-                       const CacheShape& cache) {
+                       const CacheShape& cache, bool float32_over_16bit) {
   TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == cache.num_kv_heads && t.size(2) == cache.head_size,
                     name, " must be [num_tokens, ", cache.num_kv_heads, ", ", cache.head_size,
                     "] to match the cache, got ", t.sizes());
-  TORCH_CHECK_TYPE(matches_cache(t.scalar_type(), key_cache), name, " dtype ", t.scalar_type(),
+  TORCH_CHECK_TYPE(matches_cache(t.scalar_type(), key_cache.scalar_type(), float32_over_16bit), name, " dtype ",
+                   t.scalar_type(),
                    " does not match the cache dtype ", key_cache.scalar_type(), kCacheDtypeRule);
   TORCH_CHECK_VALUE(t.device() == key_cache.device(), name, " must be on the cache's device");
   TORCH_CHECK_VALUE(t.stride(2) == 1, name, " must be contiguous in its last dimension");
@@ -186,13 +187,14 @@ void check_token_input(const at::Tensor& t, const char* name, const at::Tensor& 
 
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                             bool check_ranges, double k_scale, double v_scale) {
+                             bool check_ranges, double k_scale, double v_scale, bool float32_over_16bit) {
   const CacheShape cache = check_kv_cache(key_cache, value_cache);
   check_kv_scales(k_scale, v_scale, key_cache);
-  check_token_input(key, "key", key_cache, cache);
-  check_token_input(value, "value", key_cache, cache);
-  TORCH_CHECK_TYPE(value.scalar_type() == key.scalar_type(), "value dtype ", value.scalar_type(),
-                   " differs from key dtype ", key.scalar_type());
+  check_token_input(key, "key", key_cache, cache, float32_over_16bit);
+  check_token_input(value, "value", key_cache, cache, float32_over_16bit);
+  // An fp8 cache quantises each of them from its own dtype; any other write takes one dtype for both.
+  TORCH_CHECK_TYPE(is_fp8_cache(key_cache.scalar_type()) || value.scalar_type() == key.scalar_type(),
+                   "value dtype ", value.scalar_type(), " differs from key dtype ", key.scalar_type());
   TORCH_CHECK_VALUE(value.size(0) == key.size(0), "value has ", value.size(0), " tokens, key has ",
                     key.size(0));
   check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache);

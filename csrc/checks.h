@@ -28,8 +28,10 @@ struct CacheShape {
 CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache);
 
 // query/out [num_tokens, num_heads, head_size] against a cache; returns num_heads / num_kv_heads.
+// float32_over_16bit: the backend computes float32 over a float16 / bfloat16 cache (the CPU one does;
+// the CUDA kernels have no such pairing).
 int64_t check_query(const at::Tensor& query, const at::Tensor& out, const CacheShape& cache,
-                    const at::Tensor& key_cache);
+                    const at::Tensor& key_cache, bool float32_over_16bit = false);
 
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                         const at::Tensor& like);
@@ -38,7 +40,7 @@ void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt
 CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double k_scale, double v_scale);
+                                  double k_scale, double v_scale, bool float32_over_16bit = false);
 
 // Decode: one query token per sequence; partition_size 0 (auto) or a multiple of block_size.
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
@@ -47,7 +49,7 @@ void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t p
 // reshape_and_cache's arguments; the slot range check (reads slot_mapping) when check_ranges.
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                             bool check_ranges, double k_scale, double v_scale);
+                             bool check_ranges, double k_scale, double v_scale, bool float32_over_16bit = false);
 
 // copy_blocks' per-layer caches: all alike; returns num_blocks (0 for no layers).
 int64_t check_layer_caches(at::TensorList key_caches, at::TensorList value_caches);

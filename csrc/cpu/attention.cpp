@@ -47,7 +47,7 @@ CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const
                            const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
                            double k_scale, double v_scale) {
   const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                  k_scale, v_scale);
+                                                  k_scale, v_scale, /*float32_over_16bit=*/true);
   check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
   if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache);
   return cache;

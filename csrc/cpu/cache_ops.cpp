@@ -70,7 +70,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        at::Tensor& value_cache, const at::Tensor& slot_mapping, bool check_ranges,
                        double k_scale, double v_scale) {
   const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges,
-                                             k_scale, v_scale);
+                                             k_scale, v_scale, /*float32_over_16bit=*/true);
   if (is_fp8_cache(key_cache.scalar_type())) {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     write_fp8(key, key_cache, slots, cache, k_scale);
