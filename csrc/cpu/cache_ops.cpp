@@ -71,14 +71,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        double k_scale, double v_scale) {
   const CacheShape cache = check_cache_write(key, value, key_cache, value_cache, slot_mapping, check_ranges,
                                              k_scale, v_scale, /*float32_over_16bit=*/true);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   if (is_fp8_cache(key_cache.scalar_type())) {
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     write_fp8(key, key_cache, slots, cache, k_scale);
     write_fp8(value, value_cache, slots, cache, v_scale);
     return;
   }
   if (key.scalar_type() != key_cache.scalar_type()) {  // float32 into float16 / bfloat16 (checked)
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "reshape_and_cache_narrowed", [&] {
       write_narrowed<scalar_t>(key, key_cache, slots, cache);
       write_narrowed<scalar_t>(value, value_cache, slots, cache);
@@ -87,7 +86,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   }
 
   const int64_t es = key.element_size(), row_bytes = cache.head_size * es;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const char *k_in = static_cast<const char*>(key.data_ptr()), *v_in = static_cast<const char*>(value.data_ptr());
   char *k_out = static_cast<char*>(key_cache.data_ptr()), *v_out = static_cast<char*>(value_cache.data_ptr());
   for_each_slot_row(key.size(0), slots, cache, [&](int64_t t, int64_t h, int64_t row) {

@@ -36,6 +36,28 @@ def int32(values):
     return torch.tensor(values, dtype=torch.int32)
 
 
+def write_every_value(values, cache_dtype, **scales):
+    """values laid out as tokens of 2 KV heads x 64 (the last token padded with repeats) and written by
+    ops.reshape_and_cache and by reference.reshape_and_cache into fresh caches of cache_dtype, in random
+    slots (every 7th token skipped); returns (kvpage's caches, the reference's), for a bit comparison."""
+    from kvpage.ops import reference
+
+    num_kv_heads, head_size, block_size = 2, 64, 16
+    per_token = num_kv_heads * head_size
+    num_tokens = cdiv(values.numel(), per_token)
+    values = torch.cat([values, values[: num_tokens * per_token - values.numel()]])
+    key = values.view(num_tokens, num_kv_heads, head_size)
+    value = key.flip(0)
+    num_blocks = cdiv(num_tokens, block_size) + 1
+    caches = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+    expected = [t.clone() for t in caches]
+    slots = torch.randperm(num_blocks * block_size, generator=generator(1))[:num_tokens]
+    slots[::7] = -1
+    ops.reshape_and_cache(key, value, *caches, slots, **scales)
+    reference.reshape_and_cache(key, value, *expected, slots, **scales)
+    return caches, expected
+
+
 def random_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, gen):
     """A (key_cache, value_cache) from allocate_kv_cache, filled with random values."""
     key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype)

@@ -7,7 +7,7 @@ import torch
 from kvpage import ops
 from kvpage.ops import reference
 from paged_data import (DTYPES, HEAD_CONFIGS, cdiv, distinct_block_tables, generator, int32, query_start_loc,
-                        randn, random_block_tables)
+                        randn, random_block_tables, write_every_value)
 from tolerances import assert_attention_close
 
 FP8 = torch.float8_e4m3fn
@@ -39,21 +39,8 @@ def hard_values(dtype):
 @pytest.mark.parametrize("scale", [1.0, 0.37, 2.0, 1e-3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_write_quantises_like_torch(dtype, scale):
-    values = hard_values(dtype)
-    num_kv_heads, head_size, block_size = 2, 64, 16
-    per_token = num_kv_heads * head_size
-    num_tokens = cdiv(values.numel(), per_token)
-    values = torch.cat([values, values[: num_tokens * per_token - values.numel()]])
-    key = values.view(num_tokens, num_kv_heads, head_size)
-    value = key.flip(0)
-    num_blocks = cdiv(num_tokens, block_size) + 1
-    key_cache, value_cache = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, FP8)
-    expected = [t.clone() for t in (key_cache, value_cache)]
-    slots = torch.randperm(num_blocks * block_size, generator=generator(1))[:num_tokens]
-    slots[::7] = -1
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale=scale, v_scale=1.0)
-    reference.reshape_and_cache(key, value, *expected, slots, k_scale=scale, v_scale=1.0)
-    assert same_bits(key_cache, expected[0]) and same_bits(value_cache, expected[1])
+    caches, expected = write_every_value(hard_values(dtype), FP8, k_scale=scale, v_scale=1.0)
+    assert same_bits(caches[0], expected[0]) and same_bits(caches[1], expected[1])
 
 
 def test_write_from_strided_views_and_saturation():

@@ -7,8 +7,8 @@ import torch
 
 from kvpage import ops
 from kvpage.ops import reference
-from paged_data import (HEAD_CONFIGS, cdiv, distinct_block_tables, generator, int32, query_start_loc, randn,
-                        random_block_tables)
+from paged_data import (HEAD_CONFIGS, distinct_block_tables, generator, int32, query_start_loc, randn,
+                        random_block_tables, write_every_value)
 from tolerances import assert_attention_close
 
 NARROW = (torch.bfloat16, torch.float16)
@@ -33,20 +33,7 @@ def hard_floats():
 
 @pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
 def test_write_rounds_like_torch(cache_dtype):
-    values = hard_floats()
-    num_kv_heads, head_size, block_size = 2, 64, 16
-    per_token = num_kv_heads * head_size
-    num_tokens = cdiv(values.numel(), per_token)
-    values = torch.cat([values, values[: num_tokens * per_token - values.numel()]])
-    key = values.view(num_tokens, num_kv_heads, head_size)
-    value = key.flip(0)
-    num_blocks = cdiv(num_tokens, block_size) + 1
-    caches = ops.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
-    expected = [t.clone() for t in caches]
-    slots = torch.randperm(num_blocks * block_size, generator=generator(1))[:num_tokens]
-    slots[::7] = -1
-    ops.reshape_and_cache(key, value, *caches, slots)
-    reference.reshape_and_cache(key, value, *expected, slots)
+    caches, expected = write_every_value(hard_floats(), cache_dtype)
     assert same_bits(caches[0], expected[0]) and same_bits(caches[1], expected[1])
 
 

@@ -70,12 +70,10 @@ class _LayerArgs:
 _LAYER_ARGS: "weakref.WeakKeyDictionary[torch.nn.Module, _LayerArgs]" = weakref.WeakKeyDictionary()
 
 
-def _layer_args(layer) -> _LayerArgs | None:
+def _layer_args(layer) -> _LayerArgs:
+    """For a layer _shape_ok accepts (so every projection has its slab)."""
     attn, mlp = layer.self_attn, layer.mlp
-    slabs = [_slab(m) for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
-    if None in slabs:
-        return None
-    qkv, o, gate_up, down = (entry[0] for entry in slabs)
+    qkv, o, gate_up, down = (_slab(m)[0] for m in (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj))
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return _LayerArgs(
         weights=[norms[0].weight, qkv.packed, o.packed, norms[1].weight, gate_up.packed, down.packed],
@@ -129,9 +127,9 @@ def install_fast_decoder_layers(model: torch.nn.Module) -> int:
         return 0
     installed = 0
     for layer in model.modules():
-        if "forward" in vars(layer) or not _shape_ok(layer) or (args := _layer_args(layer)) is None:
+        if "forward" in vars(layer) or not _shape_ok(layer):
             continue
-        _LAYER_ARGS[layer] = args
+        _LAYER_ARGS[layer] = _layer_args(layer)
         try:
             same = _reproduces(model, layer)
         except Exception:  # a layer whose own forward wants other arguments: leave it to its code

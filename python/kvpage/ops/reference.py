@@ -33,18 +33,18 @@ def hf_rounded_kv_attention(cache_dtype):
     """transformers' sdpa attention over K/V rounded through a cache of cache_dtype: the reference for
     generation with kv_cache_dtype="fp8" / "bfloat16" / "float16" (register_hf_rounded_kv_attention).
     Re-rounding K/V already rounded is a no-op, so it may see the whole past at every step."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         key, value = (round_through_cache(t, cache_dtype).to(query.dtype) for t in (key, value))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 
 
-def hf_fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """hf_rounded_kv_attention for an fp8 cache."""
-    return hf_rounded_kv_attention(torch.float8_e4m3fn)(module, query, key, value, attention_mask, **kwargs)
+# hf_rounded_kv_attention for an fp8 cache.
+hf_fp8_kv_attention = hf_rounded_kv_attention(torch.float8_e4m3fn)
 
 
 def register_hf_rounded_kv_attention(cache_dtype, name=None):
