@@ -76,14 +76,14 @@ def main(argv=None) -> dict:
     seed_case = costmodel.prefix_cache_ttft(costmodel.get_model("llama-3-8b"), costmodel.get_device("h100"), 50,
                                             SHARED_TOKENS, UNIQUE_TOKENS, BLOCK_SIZE, BUDGET)
 
-    # Every request but the first hits (the scheduler defers the others one step), so all share one copy.
+    # Every request but the first hits (in its step or a later one), so all share one copy.
     resident = costmodel.resident_blocks(n, SHARED_TOKENS, UNIQUE_TOKENS, BLOCK_SIZE)
 
     def mean(xs):
         return sum(xs) / len(xs)
 
     rows = [
-        {"quantity": f"TTFT off, request 1 (s)", "measured": ttft_off[0], "model": model.ttft_off_s[0],
+        {"quantity": "TTFT off, request 1 (s)", "measured": ttft_off[0], "model": model.ttft_off_s[0],
          "model_calibrated": cal.ttft_off_s[0]},
         {"quantity": f"TTFT off, request {args.off_requests} (s)", "measured": ttft_off[-1],
          "model": model.ttft_off_s[args.off_requests - 1], "model_calibrated": cal.ttft_off_s[args.off_requests - 1]},

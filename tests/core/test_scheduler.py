@@ -183,22 +183,72 @@ def test_misuse_raises_clear_errors():
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_a_request_waits_a_step_for_a_shared_prefix_another_prefill_is_computing(caching):
-    """Two arrivals sharing 3 full blocks: with prefix caching the second waits for the first's step
-    and then hits all 3; without, both prefill in step 1 (nothing to wait for)."""
+def test_a_request_hits_the_shared_prefix_another_prefill_computes_in_the_same_step(caching):
+    """Two arrivals sharing 3 full blocks, both admitted in step 1: with prefix caching the second
+    points at the first's 3 blocks (which that step writes before anyone attends) and computes only
+    its own 2 tokens; without, it computes all 14. The fake runner reads every context back."""
     s = Scheduler(BlockManager(64, 4, enable_prefix_caching=caching))
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
-    s.add_request("a", shared + [1, 2], max_tokens=3)
-    s.add_request("b", shared + [3, 4], max_tokens=3)
-    s.add_request("c", [40, 41, 42, 43, 44, 45], max_tokens=3)  # behind b: strict order holds it too
+    a = s.add_request("a", shared + [1, 2], max_tokens=3)
+    b = s.add_request("b", shared + [3, 4], max_tokens=3)
+    s.add_request("c", [40, 41, 42, 43, 44, 45], max_tokens=3)
     runner = FakeRunner(4)
     first = _step(s, runner)
-    assert [x.request_id for x in first.scheduled] == (["a"] if caching else ["a", "b", "c"])
-    second = _step(s, runner)
+    assert [x.request_id for x in first.scheduled] == ["a", "b", "c"]
+    xa, xb, _ = first.scheduled
     if caching:
-        b = next(x for x in second.scheduled if x.request_id == "b")
-        assert (b.start, b.num_scheduled_tokens) == (12, 2)  # 3 blocks hit, 2 tokens computed
-        assert {x.request_id for x in second.scheduled} == {"a", "b", "c"}
+        assert (xb.start, xb.num_scheduled_tokens) == (12, 2)
+        assert xb.block_table[:3] == xa.block_table[:3] and b.num_cached_tokens == 12
+        assert s.bm.stats().prefix_cache_hit_tokens == 12
+    else:
+        assert (xb.start, xb.num_scheduled_tokens) == (0, 14)
+        assert not set(xb.block_table) & set(xa.block_table)
+    assert all(x.do_sample for x in first.scheduled)  # everyone's first token in step 1
+    while s.has_unfinished_requests():
+        _step(s, runner)
+    for request, prompt in ((a, shared + [1, 2]), (b, shared + [3, 4])):
+        assert request.seqs[0].output_token_ids == expected_outputs(prompt, 3)[0][:len(request.seqs[0].output_token_ids)]
+    assert_pool_whole(s.bm)
+
+
+def test_an_identical_prompt_in_the_same_step_computes_only_its_last_token_and_writes_nothing():
+    """A full in-step hit: the second copy of a block-aligned prompt runs its last token for its
+    logits, reading the blocks the first computes, and maps that token to -1: a block another
+    sequence is writing this step is never written twice."""
+    s = _scheduler(block_size=4)
+    prompt = list(range(1, 13))
+    s.add_request("a", prompt, max_tokens=2)
+    s.add_request("b", prompt, max_tokens=2)
+    runner = FakeRunner(4)
+    first = _step(s, runner)
+    xa, xb = first.scheduled
+    assert (xb.start, xb.num_scheduled_tokens, xb.slot_mapping) == (11, 1, [-1])
+    assert xb.block_table == xa.block_table and -1 not in xa.slot_mapping
+    assert s.requests["a"].seqs[0].output_token_ids == s.requests["b"].seqs[0].output_token_ids
     while s.has_unfinished_requests():
         _step(s, runner)
     assert_pool_whole(s.bm)
+
+
+def test_a_prompt_logits_request_reads_no_in_step_hit_but_its_blocks_serve_later_ones():
+    s = _scheduler(block_size=4)
+    prompt = list(range(1, 13))
+    s.add_request("a", prompt + [50], max_tokens=2, prompt_logits=True)
+    s.add_request("b", prompt + [51], max_tokens=2, prompt_logits=True)
+    s.add_request("c", prompt + [52], max_tokens=2)
+    first = _step(s, FakeRunner(4))
+    assert [(x.request_id, x.start) for x in first.scheduled] == [("a", 0), ("b", 0), ("c", 12)]
+
+
+def test_a_failed_step_sends_its_in_step_readers_back_to_be_recomputed():
+    s = _scheduler(block_size=4)
+    prompt = list(range(1, 13))
+    s.add_request("a", prompt + [1], max_tokens=2)
+    s.add_request("b", prompt + [2], max_tokens=2)
+    out = s.schedule()
+    assert s.bm.in_step_readers() == {out.scheduled[1].seq_id}
+    assert s.discard_step(out)  # a's blocks were never written: b must not keep them
+    assert [r.request_id for r in s.waiting] == ["b"] and s.requests["b"].seqs[0].block_table == []
+    again = s.schedule()
+    assert [(x.request_id, x.start) for x in again.scheduled] == [("a", 0), ("b", 12)]
+    assert s.bm.in_step_readers() == {again.scheduled[1].seq_id}

@@ -24,7 +24,7 @@ PARTS = ["nothing", "moves", "all"]
 class FlakyRunner(FakeRunner):
     """Raises StepFailed in the steps `fail(step)` picks, after carrying out `part` of them:
     "nothing": no work, but garbage in every block the step was to fill by swap or copy (a transfer
-    cut off); "moves": the swaps and copies, no forward pass; "all": the whole step, results lost."""
+    cut off) and in every slot its forward pass was to write (a kernel cut off); "moves": the swaps and copies, no forward pass; "all": the whole step, results lost."""
 
     def __init__(self, block_size: int, fail, part: str) -> None:
         super().__init__(block_size)
@@ -41,6 +41,8 @@ class FlakyRunner(FakeRunner):
                 self.host[dst] = [GARBAGE] * self.block_size
             for _, dst in out.blocks_to_swap_in + out.blocks_to_copy:
                 self.device[dst] = [GARBAGE] * self.block_size
+            for slot in (slot for s in out.scheduled for slot in s.slot_mapping if slot >= 0):
+                self._block(self.device, slot // self.block_size)[slot % self.block_size] = GARBAGE
         elif self.part == "moves":
             super().execute(replace(out, scheduled=[]))
         else:

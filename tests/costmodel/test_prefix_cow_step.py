@@ -25,7 +25,7 @@ def test_step_is_the_slower_of_flops_and_bytes():
     assert step_seconds(SMOL, slow_memory, [Chunk(1, 10)]) == pytest.approx(0.01 + nbytes / 1e9)
 
 
-def test_prefix_cache_hits_come_from_blocks_computed_in_an_earlier_step():
+def test_prefix_cache_hits_come_from_blocks_computed_earlier_or_in_the_same_step():
     # 3 requests of 32 shared + 16 own tokens, a 48-token budget: one prompt per step.
     plan = prefix_cache_ttft(SMOL, FAST, num_requests=3, shared_tokens=32, unique_tokens=16, block_size=16,
                              max_num_batched_tokens=48)
@@ -34,11 +34,12 @@ def test_prefix_cache_hits_come_from_blocks_computed_in_an_earlier_step():
     assert plan.hit_tokens_on == [0, 32, 32]
     assert plan.ttft_on_s == pytest.approx([full, full + rest, full + rest])
     assert plan.saved_prefill_tokens == 64
-    # A 64-token budget has room for request 2 in request 1's step, before the shared blocks exist:
-    # it waits for them (the scheduler's in-batch deferral) instead of missing.
+    # A 64-token budget has room for request 2 in request 1's step, which computes the shared blocks:
+    # it hits them there (an in-step hit) and finishes in that step; request 3 takes the next.
     plan = prefix_cache_ttft(SMOL, FAST, 3, 32, 16, 16, max_num_batched_tokens=64)
     assert plan.hit_tokens_on == [0, 32, 32]
-    assert plan.ttft_on_s == pytest.approx([full, full + rest, full + rest])
+    both = t((48, 0), (16, 32))
+    assert plan.ttft_on_s == pytest.approx([both, both, both + t((16, 32))])
 
 
 def test_the_seeds_fifty_requests_sharing_a_2000_token_prompt():

@@ -25,14 +25,18 @@ def test_default_model_matches_hf(llm, hf_greedy):
 
 
 def test_identical_block_aligned_prompts_share_every_block(llm, hf_model, prompt_ids):
-    # A 48-token prompt (3 full blocks) sent 6 times in one batch: the first computes it, the rest
-    # wait a step, then hit all 3 blocks and recompute only the last token (for its logits).
+    # A 48-token prompt (3 full blocks) sent 6 times in one batch: the first computes it, and the
+    # rest, in the same step, hit the 3 blocks it is writing and compute only the last token (for
+    # its logits): one prefill step, then 7 decode steps.
     prompt = [t for ids in prompt_ids for t in ids][:48]  # block_size 16
     engine = make_llm(llm)
     params = SamplingParams(temperature=0.0, max_tokens=8)
+    steps = engine.llm_engine.num_steps
     outputs = engine.generate([prompt] * 6, params, use_tqdm=False)
     assert_greedy_matches(outputs, hf_generate(hf_model, [prompt], 8) * 6)
     assert engine.stats()["prefix_cache_hit_tokens"] == 5 * (len(prompt) - 1)
+    assert [o.num_cached_tokens for o in outputs] == [0] + [len(prompt) - 1] * 5
+    assert engine.llm_engine.num_steps - steps == 8
 
 
 # A budget of 32 tokens chunks every long prompt; 16 blocks (256 tokens) cannot hold the batch's

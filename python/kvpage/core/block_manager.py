@@ -39,6 +39,11 @@ class BlockManager:
     prefix blocks), `append_slots` makes room for the tokens a running sequence computes this step
     (returning copy-on-write pairs for `ops.copy_blocks`), and `mark_computed` records, after the
     step ran, that those tokens' K/V are in the cache, so full blocks become prefix-cache hits.
+
+    In-step hits (vLLM v1's rule): `note_computing` announces the full blocks a step's prefill is
+    about to fill, and a sequence admitted later in the same step hits them too. That is sound
+    because each layer of the forward pass writes every scheduled token's K/V before any token
+    attends. `begin_step` forgets the announcements; `in_step_readers` says who relied on them.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
@@ -56,6 +61,10 @@ class BlockManager:
         self._cache = self.device.cache
         # Admission keeps this many blocks spare so running sequences can grow without preemption.
         self.watermark_blocks = int(watermark * num_blocks)
+        # This step's announced blocks: hash -> (block, key), and who hit them (see note_computing).
+        self._computing: dict[bytes, tuple[int, BlockKey]] = {}
+        self._computing_blocks: set[int] = set()
+        self._in_step_readers: set[int] = set()
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._num_cow = 0
@@ -104,6 +113,8 @@ class BlockManager:
         for block_id in hits:
             pool.incref(block_id)
         seq.block_table = hits + [pool.allocate() for _ in range(num_new_blocks)]
+        if self._computing_blocks and not self._computing_blocks.isdisjoint(hits):
+            self._in_step_readers.add(seq.seq_id)
         num_cached = self._num_hit_tokens(seq, hits)
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching and use_prefix_cache:
@@ -111,20 +122,31 @@ class BlockManager:
             self._hit_tokens += num_cached
         return num_cached
 
-    def next_uncached_block_hash(self, seq: Sequence) -> bytes | None:
-        """Hash of the first full prompt block of a waiting `seq` the prefix cache lacks (None: no
-        such block, or no prefix caching): if another sequence is computing that block right now,
-        waiting one step turns it into a hit."""
-        if self._cache is None or seq.block_table:
-            return None
-        i = len(self._match_prefix(seq))
-        return self._block_hash(seq, i) if i < len(seq.token_ids) // self.block_size else None
+    # -- in-step hits ----------------------------------------------------------------------------
 
-    def full_block_hashes(self, seq: Sequence, start: int, end: int) -> list[bytes]:
-        """Hashes of the blocks that computing tokens [start, end) of `seq` fills (prefix caching on)."""
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the last step's announced blocks are computed or forgotten."""
+        self._computing.clear()
+        self._computing_blocks.clear()
+        self._in_step_readers.clear()
+
+    def note_computing(self, seq: Sequence, start: int, end: int) -> None:
+        """This step computes tokens [start, end) of `seq` (slots already made): the full blocks they
+        complete are hits for sequences admitted later in the step. Call after taking the slot
+        mapping of [start, end), which must write these blocks, not skip them as hits."""
         if self._cache is None:
-            return []
-        return [self._block_hash(seq, i) for i in range(start // self.block_size, end // self.block_size)]
+            return
+        for i in range(start // self.block_size, end // self.block_size):
+            block_hash = self._block_hash(seq, i)
+            if block_hash not in self._computing and self._cache.get(block_hash) is None:
+                block_id = seq.block_table[i]
+                self._computing[block_hash] = (block_id, self._block_key(seq, i))
+                self._computing_blocks.add(block_id)
+
+    def in_step_readers(self) -> set[int]:
+        """Sequences admitted this step with hits on blocks the step itself computes: if the step
+        fails, what they hit was never written."""
+        return set(self._in_step_readers)
 
     def _match_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> list[int]:
         cache = self._cache
@@ -133,6 +155,8 @@ class BlockManager:
         hits: list[int] = []
         for i in range(len(seq.token_ids) // self.block_size):
             block_id = self._lookup(seq, i)
+            if block_id is None and self._computing:
+                block_id = self._lookup_computing(seq, i)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -273,13 +297,18 @@ class BlockManager:
         if seq.swapped:
             raise ValueError(f"seq {seq.seq_id} is swapped out; its slots are not on the device")
         slots = slot_mapping(seq.block_table, self.block_size, start, end)
-        cache = self._cache
-        # Only the last token of a full hit lands in an indexed block: its K/V are there already,
-        # and an indexed block is never written (others may be reading it), so it maps to -1.
-        if cache is not None and end > start and cache.contains_block(seq.block_table[start // self.block_size]):
-            slots = [-1 if cache.contains_block(seq.block_table[p // self.block_size]) else slot
-                     for p, slot in zip(range(start, end), slots)]
+        if self._cache is None or end <= start:
+            return slots
+        # Only the last token of a full hit lands in a hit block: its K/V are there already (or are
+        # being written by the step's other prefill), and a hit block is never written (others may be
+        # reading it), so it maps to -1.
+        table, bs = seq.block_table, self.block_size
+        if self._is_hit_block(table[start // bs]):
+            slots = [-1 if self._is_hit_block(table[p // bs]) else slot for p, slot in zip(range(start, end), slots)]
         return slots
+
+    def _is_hit_block(self, block_id: int) -> bool:
+        return self._cache.contains_block(block_id) or block_id in self._computing_blocks
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -304,6 +333,13 @@ class BlockManager:
         if block_id is None or cache.key_of(block_id) != self._block_key(seq, i):
             return None
         return block_id
+
+    def _lookup_computing(self, seq: Sequence, i: int) -> int | None:
+        """The block this step computes as exactly seq's logical block i, if any (see note_computing)."""
+        entry = self._computing.get(self._block_hash(seq, i))
+        if entry is None or entry[1] != self._block_key(seq, i):
+            return None
+        return entry[0]
 
     def _cache_block(self, seq: Sequence, i: int) -> None:
         cache = self._cache

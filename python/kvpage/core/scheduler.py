@@ -4,7 +4,9 @@ Each `schedule()` fills one step's token and sequence budgets in this order:
   1. running decodes, one token per sequence (preempting others when a block is missing),
   2. running prefills carried over from an earlier step (chunked to the budget left),
   3. swapped requests back in, first out first in, while blocks allow,
-  4. waiting requests in arrival order (preempted-by-recompute ones at the front), chunked.
+  4. waiting requests in arrival order (preempted-by-recompute ones at the front), chunked; a prefix
+     hit may be a block this very step computes for an earlier request (the block manager's
+     in-step hits), so requests sharing a system prompt all start in the step that computes it.
 Steps 3 and 4 are skipped in a step that preempted (the memory that just ran out is not there to
 give), and 4 while anything is swapped (swapped requests would starve behind new ones).
 After the runner executes the step, `update_from_output` records what was computed and sampled; if
@@ -54,8 +56,6 @@ class Scheduler:
         self._pending: SchedulerOutput | None = None
         self._scheduled: set[str] = set()  # request ids with tokens in the step being built
         self._scheduled_seqs: set[int] = set()
-        # Hashes of the full blocks this step's prefills compute (see _schedule_waiting).
-        self._blocks_in_flight: set[bytes] = set()
         self.step = 0
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -130,7 +130,8 @@ class Scheduler:
             raise RuntimeError(f"schedule() called again before update_from_output() for step {self._pending.step}")
         out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        self._scheduled, self._scheduled_seqs, self._blocks_in_flight = set(), set(), set()
+        self._scheduled, self._scheduled_seqs = set(), set()
+        self.bm.begin_step()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_decodes(out, budget)
         self._schedule_running_prefills(out, budget)
@@ -195,13 +196,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and budget.fits(1, 1):
             request = self.waiting[0]
-            # A head whose next prompt block another prefill of this step is computing waits one step
-            # and then hits it, rather than computing it again (SGLang's in-batch prefix caching).
-            # Every request sharing a system prompt would otherwise recompute it in the first step.
             head = request.live_seqs()[0]
-            if (self._blocks_in_flight and not request.prompt_logits_pending
-                    and self.bm.next_uncached_block_hash(head) in self._blocks_in_flight):
-                return
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
             if not self._allocate(request, head, out, budget):
                 return
@@ -304,7 +299,9 @@ class Scheduler:
         budget.tokens -= n
         budget.seqs -= 1
         if start < seq.num_prompt_tokens:
-            self._blocks_in_flight.update(self.bm.full_block_hashes(seq, start, end))
+            # After the slot mapping: sequences admitted later in this step hit these blocks (a
+            # shared system prompt is computed once, and every request sharing it starts now).
+            self.bm.note_computing(seq, start, end)
         self._scheduled.add(request.request_id)
         self._scheduled_seqs.add(seq.seq_id)
         if request.first_scheduled_step < 0:
@@ -342,8 +339,9 @@ class Scheduler:
         computed and run again later (their slots stay allocated). A request whose KV the step was
         to move or copy (a swap in or out, a copy-on-write, a prefix hit on a block being swapped in)
         cannot trust its cache: it goes back to waiting and is recomputed, as after a recompute
-        preemption. Sampled tokens are kept, so a deterministic request ends with the output it would
-        have had without the failure. False (and nothing changes) if `out` is not the pending step.
+        preemption. So does one admitted with a hit on a block this step was to compute. Sampled
+        tokens are kept, so a deterministic request ends with the output it would have had without
+        the failure. False (and nothing changes) if `out` is not the pending step.
         """
         if out is not self._pending:
             return False
@@ -351,7 +349,9 @@ class Scheduler:
         self._finished_ids = out.finished_request_ids + self._finished_ids  # the runner may not have seen them
         untrusted = {dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy}
         self.bm.forget_contents(untrusted)
-        victims = [r for r in self.running if any(b in untrusted for seq in r.live_seqs() for b in seq.block_table)]
+        readers = self.bm.in_step_readers()  # hit blocks this very step was to write
+        victims = [r for r in self.running
+                   if any(seq.seq_id in readers or any(b in untrusted for b in seq.block_table) for seq in r.live_seqs())]
         victims += [r for r in self.swapped if r.request_id in out.preempted]  # its host copy may be unwritten
         # Oldest admitted ends up at the front of the queue, as recompute preemption leaves it.
         for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):

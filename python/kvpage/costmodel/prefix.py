@@ -1,12 +1,12 @@
 """Prefix caching priced as time to first token: N concurrent requests sharing a system prompt.
 
 All requests arrive together with max_tokens=1, so prefill is all there is. The scheduler is
-modelled as kvpage's (and vLLM's): first come, first served, each step packing up to
+modelled as kvpage's (and vLLM v1's): first come, first served, each step packing up to
 max_num_batched_tokens prompt tokens, a long prompt chunked across steps. A request's prefix-cache
-hit is decided when it is admitted, and only blocks computed in an earlier step can hit: the hash
-chain matches whole blocks whose K/V exist. So the scheduler does not admit a request whose next
-prompt block another prefill of the same step is computing: it waits a step and hits, rather than
-computing the shared prompt again (kvpage's in-batch prefix deferral; vLLM admits it and it misses).
+hit is decided when it is admitted: the hash chain matches whole blocks whose K/V exist or are being
+computed in the same step by a request admitted before it (each layer writes every token's K/V
+before any token attends). So once the first request's chunk reaches the end of the shared prompt,
+every request admitted after it hits the whole shared prompt, in that step or later.
 Request i's time to first token is the end of the step that computes its last prompt token.
 """
 from __future__ import annotations
@@ -66,12 +66,10 @@ def _serve(model, device, num_requests, prompt, budget, dtype_bytes, hit_tokens)
     computed = [None] * num_requests  # None: not admitted yet
     hits = [0] * num_requests
     ttft = [0.0] * num_requests
-    clock, head, cached = 0.0, 0, False  # cached: the shared blocks exist from this step on
+    clock, head, cached = 0.0, 0, False  # cached: the shared blocks exist, or are being computed
     while head < num_requests:
         left, chunks, done = budget, [], []
         for i in range(head, num_requests):
-            if computed[i] is None and hit_tokens > 0 and not cached and chunks:
-                break  # the shared blocks are being computed in this step: wait for them
             if computed[i] is None:
                 hits[i] = hit_tokens if cached else 0
                 computed[i] = hits[i]
@@ -79,6 +77,7 @@ def _serve(model, device, num_requests, prompt, budget, dtype_bytes, hit_tokens)
             chunks.append(Chunk(n, computed[i]))
             computed[i] += n
             left -= n
+            cached = cached or (hit_tokens > 0 and computed[i] >= hit_tokens)
             if computed[i] == prompt:
                 done.append(i)
             if left == 0:
@@ -87,7 +86,6 @@ def _serve(model, device, num_requests, prompt, budget, dtype_bytes, hit_tokens)
         for i in done:
             ttft[i] = clock
         head += len(done)
-        cached = cached or (hit_tokens > 0 and max(c or 0 for c in computed) >= hit_tokens)
     return ttft, hits
 
 
