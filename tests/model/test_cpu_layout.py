@@ -75,3 +75,22 @@ def test_fused_output_is_computed_once_and_let_go_after_the_last_sibling(packing
     assert fused.last_output is None and fused.last_input is None
     for proj, out in zip((attn.q_proj, attn.k_proj, attn.v_proj), outputs):
         torch.testing.assert_close(out, reference.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packing", PACKINGS[:1], indirect=True)
+def test_every_packed_matrix_lives_in_one_huge_page_aligned_buffer(packing):
+    """The model's packed matrices are consecutive views of one buffer on a 2 MiB boundary, each what
+    packing its (fused) weight alone gives."""
+    from kvpage.ops import huge_pages, layers
+
+    model = tiny_model("qwen2")
+    prepack_linear_weights(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv, gate_up = cpu_layout._SLABS[attn.q_proj][0], cpu_layout._SLABS[mlp.gate_proj][0]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    fused = {id(f): f for f, _ in (cpu_layout._SLABS[m] for m in linears)}.values()
+    bases = {f.packed.untyped_storage().data_ptr() for f in fused}
+    assert len(bases) == 1 and min(f.packed.data_ptr() for f in fused) % huge_pages.HUGE_PAGE == 0
+    expected_qkv = layers.pack_linear_weight(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(qkv.packed, expected_qkv)
+    assert torch.equal(gate_up.packed, layers.pack_linear_weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))

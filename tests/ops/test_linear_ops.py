@@ -54,6 +54,15 @@ def test_strided_input_and_weight_are_read_as_values():
     _close(packed_linear(x, pack_linear_weight(w), 40), reference.linear(x, w), 50)
 
 
+def test_packing_into_out_fills_it_as_a_fresh_pack_would():
+    weight = torch.randn(70, 16)
+    buffer = torch.full((3 * 16 * 48,), float("nan"))
+    out = buffer[16 * 48:].view(2, 16, 48)  # a view into a larger buffer, as a model's arena holds them
+    assert pack_linear_weight(weight, out=out) is out
+    assert torch.equal(out, pack_linear_weight(weight))
+    assert buffer[:16 * 48].isnan().all()  # nothing outside the view is touched
+
+
 def test_zero_rows():
     assert packed_linear(torch.empty(0, 16), pack_linear_weight(torch.randn(5, 16)), 5).shape == (0, 5)
 
@@ -69,6 +78,9 @@ def test_zero_rows():
     (lambda p: pack_linear_weight(torch.randn(40)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(0, 16)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(4, 16, dtype=torch.float64)), "weight"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(2, 16, 48)), "out"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(1, 16, 48).double()), "out"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(1, 48, 16).transpose(1, 2)), "out"),
 ])
 def test_bad_input_names_the_argument(call, match):
     packed = pack_linear_weight(torch.randn(40, 16))

@@ -1,12 +1,9 @@
 """Cache allocation and the cache data-movement ops."""
-import ctypes
-import ctypes.util
-import sys
-
 import torch
 
 from kvpage.ops import _checks, memory
 from kvpage.ops._library import ops
+from kvpage.ops.huge_pages import huge_page_zeros
 from kvpage.ops.config import range_checks_enabled
 
 
@@ -34,7 +31,8 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     try:
         device = torch.device(device)
         if device.type == "cpu":
-            return _huge_page_zeros(shape, dtype), _huge_page_zeros(shape, dtype)
+            # Attention reads tiles scattered over the whole pool: huge pages spare a TLB miss per tile.
+            return huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     except (AssertionError, RuntimeError, TypeError) as e:  # torch says "not compiled with CUDA" by assert
         raise RuntimeError(f"allocate_kv_cache: cannot allocate on device '{device}': {e}") from e
@@ -52,31 +50,6 @@ def _check_fits(device, nbytes: int, num_blocks: int) -> None:
     if available is not None and nbytes > available:
         raise RuntimeError(f"allocate_kv_cache: num_blocks={num_blocks} needs {memory.gib(nbytes)} for the key and"
                            f" value caches, but only {memory.gib(available)} of memory is available")
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _huge_page_zeros(shape, dtype):
-    """A zeroed CPU tensor starting on a 2 MiB boundary, backed by transparent huge pages where the
-    kernel allows. Attention reads tiles scattered over the whole pool: with 4 KiB pages nearly
-    every tile costs a TLB miss, and a tile straddling two pages splits the hardware prefetcher's
-    stream."""
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    buffer = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    offset = -buffer.data_ptr() % _HUGE_PAGE
-    aligned = buffer[offset : offset + nbytes]
-    _advise_huge_pages(aligned.data_ptr(), nbytes)
-    return aligned.zero_().view(dtype).view(shape)
-
-
-def _advise_huge_pages(address, nbytes):
-    if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE:
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    length = nbytes // _HUGE_PAGE * _HUGE_PAGE
-    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # a hint: ignore failure
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0):

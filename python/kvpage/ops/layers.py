@@ -96,16 +96,24 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 SLAB_COLUMNS = _C.linear_slab_columns  # the packed layout's slab width (csrc/cpu/kernels.h)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
-    [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched."""
+    [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched.
+    out: a contiguous tensor of that shape and the weight's dtype to pack into (say, a view of one
+    buffer holding a whole model's packed weights)."""
     _checks.require_tensor(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    slabs = -(-weight.shape[0] // SLAB_COLUMNS)
-    packed = torch.empty((slabs, weight.shape[1], SLAB_COLUMNS), dtype=weight.dtype, device=weight.device)
-    ops.pack_linear_weight(packed, weight.contiguous())
-    return packed
+    shape = (-(-weight.shape[0] // SLAB_COLUMNS), weight.shape[1], SLAB_COLUMNS)
+    if out is None:
+        out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    else:
+        _checks.require_tensor(out, "out")
+        if tuple(out.shape) != shape or out.dtype != weight.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {weight.dtype} tensor of shape {shape}, got"
+                             f" {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    ops.pack_linear_weight(out, weight.contiguous())
+    return out
 
 
 def packed_linear(input: torch.Tensor, packed: torch.Tensor, out_features: int,
