@@ -78,7 +78,8 @@ class BlockManager:
     # -- admission -----------------------------------------------------------------------------
 
     def lookup_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> int:
-        """Tokens of `seq` the prefix cache already holds, so need not compute; takes nothing.
+        """Tokens of `seq` the prefix cache already holds (or this step computes: note_computing), so
+        need not compute; takes nothing.
 
         A whole number of blocks, except on a full hit (every block of the prompt cached), where the
         last token still runs for its logits: then len - 1. use_prefix_cache=False (here and in
@@ -293,7 +294,7 @@ class BlockManager:
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset;
-        -1 where the cache already holds that position's K/V)."""
+        -1 where the cache already holds that position's K/V, or another sequence writes it this step)."""
         if seq.swapped:
             raise ValueError(f"seq {seq.seq_id} is swapped out; its slots are not on the device")
         slots = slot_mapping(seq.block_table, self.block_size, start, end)
