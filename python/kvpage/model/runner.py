@@ -20,6 +20,7 @@ from .cpu_layout import prepack_linear_weights
 from .fast_decoder_layer import install_fast_decoder_layers
 from .fast_rotary import RotarySwap
 from .fused_layers import fuse_small_layers
+from .lean_forward import lean_forward_for
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache, set_forward_context
 
@@ -120,11 +121,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self._rotary = None
+        self._lean = None  # the base model's forward minus HF's Python, where it reproduces it
         if self.device.type == "cpu":
             prepack_linear_weights(model)
             fuse_small_layers(model)
             self._rotary = RotarySwap(model)
             install_fast_decoder_layers(model)
+            self._lean = lean_forward_for(model)
         self.num_kv_blocks = num_kv_blocks
         self.num_host_blocks = num_host_blocks
         self.num_layers = config.num_hidden_layers
@@ -186,7 +189,9 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The base model over the flat batch: hidden states [1, T, hidden]."""
         rotary = self._rotary.active() if self._rotary is not None else nullcontext()
-        with set_forward_context(metadata, self.kv_caches), rotary:
+        with set_forward_context(metadata, self.kv_caches) as context, rotary:
+            if self._lean is not None:
+                return self._lean(input_ids, positions, context)
             return self.model.base_model(input_ids=input_ids, position_ids=positions,
                                          use_cache=False).last_hidden_state
 
