@@ -24,7 +24,7 @@ from .metadata import AttentionMetadata, ForwardContext, set_forward_context
 @dataclass(frozen=True)
 class LeanForward:
     base: torch.nn.Module  # the model's base model (LlamaModel, Qwen2Model, ...)
-    layers: list  # fast_decoder_layer._LayerArgs, in layer order
+    layers: list[fdl._LayerArgs]  # in layer order
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Hidden states [1, T, hidden] of the flat batch input_ids / positions [1, T]."""
