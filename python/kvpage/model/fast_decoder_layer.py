@@ -92,13 +92,26 @@ def _fast_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.T
             or hidden_states.device.type != "cpu" or not hidden_states.is_contiguous()
             or any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))):
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    cos, sin = position_embeddings
+    return run_layer(layer, hidden_states[0], cos[0], sin[0], context, range_checks_enabled()).unsqueeze(0)
+
+
+def run_layer(layer: _LayerArgs, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              context: metadata.ForwardContext, check_ranges: bool) -> torch.Tensor:
+    """One layer's fused op on the flat batch x [T, hidden], with rotary tables cos / sin [T, d]."""
     meta = context.attn_metadata
     key_cache, value_cache = context.kv_caches[layer.layer_idx]
-    cos, sin = position_embeddings
-    return _decoder_layer_op(hidden_states[0], layer.weights, layer.biases, layer.widths, layer.epsilons,
-                             layer.scale, cos[0], sin[0], key_cache, value_cache, meta.slot_mapping,
-                             meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                             range_checks_enabled()).unsqueeze(0)
+    return _decoder_layer_op(x, layer.weights, layer.biases, layer.widths, layer.epsilons, layer.scale, cos, sin,
+                             key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, meta.max_query_len, check_ranges)
+
+
+def scratch_prefill(tokens: int, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16):
+    """A forward context for a probe: a prefill of `tokens` positions into one scratch block, which
+    every layer shares (each writes its K/V before attending over them)."""
+    cache = ops.allocate_kv_cache(1, block_size, num_kv_heads, head_size, dtype=torch.float32)
+    meta = AttentionMetadata.build([tokens], [tokens], [[0]], list(range(tokens)))
+    return set_forward_context(meta, [cache] * num_layers)
 
 
 @torch.inference_mode()
@@ -112,10 +125,7 @@ def _reproduces(model, layer, block_size: int = 16, tokens: int = 5) -> bool:
     num_kv_heads = layer.self_attn.k_proj.out_features // layer.self_attn.head_dim
     outputs = []
     for forward in (type(layer).forward, _fast_forward):
-        cache = ops.allocate_kv_cache(1, block_size, num_kv_heads, layer.self_attn.head_dim, dtype=torch.float32)
-        caches = [cache] * (layer.self_attn.layer_idx + 1)
-        meta = AttentionMetadata.build([tokens], [tokens], [[0]], list(range(tokens)))
-        with set_forward_context(meta, caches):
+        with scratch_prefill(tokens, layer.self_attn.layer_idx + 1, num_kv_heads, layer.self_attn.head_dim, block_size):
             outputs.append(forward(layer, x, position_embeddings=position_embeddings, position_ids=positions))
     return torch.equal(outputs[0], outputs[1])
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage import ops
 from kvpage.ops.config import range_checks_enabled
 
 from . import fast_decoder_layer as fdl
-from .metadata import AttentionMetadata, ForwardContext, set_forward_context
+from .metadata import ForwardContext
 
 
 @dataclass(frozen=True)
@@ -28,17 +27,12 @@ class LeanForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Hidden states [1, T, hidden] of the flat batch input_ids / positions [1, T]."""
-        base, meta = self.base, context.attn_metadata
+        base = self.base
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, positions)
-        x = hidden[0]
-        check_ranges = range_checks_enabled()
+        x, check_ranges = hidden[0], range_checks_enabled()
         for layer in self.layers:
-            key_cache, value_cache = context.kv_caches[layer.layer_idx]
-            x = fdl._decoder_layer_op(x, layer.weights, layer.biases, layer.widths, layer.epsilons, layer.scale,
-                                      cos[0], sin[0], key_cache, value_cache, meta.slot_mapping,
-                                      meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                      meta.max_query_len, check_ranges)
+            x = fdl.run_layer(layer, x, cos[0], sin[0], context, check_ranges)
         return base.norm(x.unsqueeze(0))
 
 
@@ -72,9 +66,7 @@ def _reproduces(model: torch.nn.Module, lean: LeanForward, block_size: int = 16,
     num_kv_heads = attn.k_proj.out_features // attn.head_dim
     outputs = []
     for lean_pass in (False, True):
-        caches = [ops.allocate_kv_cache(1, block_size, num_kv_heads, attn.head_dim) for _ in lean.layers]
-        meta = AttentionMetadata.build([tokens], [tokens], [[0]], list(range(tokens)))
-        with set_forward_context(meta, caches) as context:
+        with fdl.scratch_prefill(tokens, len(lean.layers), num_kv_heads, attn.head_dim, block_size) as context:
             if lean_pass:
                 outputs.append(lean(input_ids, positions, context))
             else:

@@ -188,10 +188,11 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The base model over the flat batch: hidden states [1, T, hidden]."""
-        rotary = self._rotary.active() if self._rotary is not None else nullcontext()
-        with set_forward_context(metadata, self.kv_caches) as context, rotary:
-            if self._lean is not None:
+        if self._lean is not None:  # the layer ops do their own rotary: no module swap needed
+            with set_forward_context(metadata, self.kv_caches) as context:
                 return self._lean(input_ids, positions, context)
+        rotary = self._rotary.active() if self._rotary is not None else nullcontext()
+        with set_forward_context(metadata, self.kv_caches), rotary:
             return self.model.base_model(input_ids=input_ids, position_ids=positions,
                                          use_cache=False).last_hidden_state
 
