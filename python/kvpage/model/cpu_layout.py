@@ -148,13 +148,13 @@ def _pack_slabs(model: torch.nn.Module) -> int:
 class SlabArena:
     """Every packed matrix of a model in one buffer on huge pages (ops.huge_pages): a decode step
     streams all of them, and with 4 KiB pages each page of a slab costs a TLB miss and restarts the
-    hardware prefetcher (1.02-1.07x on SmolLM2's step, most at the smallest batches; measured on a
-    Zen 5 VM). One buffer also gives the small matrices (576 x 576: 1.3 MiB) huge pages."""
+    hardware prefetcher (`python bench/linear.py`, SmolLM2's linears on a Zen 5 VM: 1.00-1.12x at
+    1-16 rows, level from 32, where the GEMM is compute-bound). One buffer also gives the small
+    matrices (576 x 576: 1.3 MiB) huge pages."""
 
     def __init__(self, sizes: list[tuple[int, int]]) -> None:
         """sizes: (out_features, in_features) of each packed matrix."""
-        cols = layers.SLAB_COLUMNS
-        self.shapes = [(-(-n // cols), k, cols) for n, k in sizes]
+        self.shapes = [layers.packed_linear_shape(n, k) for n, k in sizes]
         self.offsets = [0]
         for slabs, k, c in self.shapes:
             self.offsets.append(self.offsets[-1] + slabs * k * c)

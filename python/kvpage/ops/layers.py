@@ -96,6 +96,11 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 SLAB_COLUMNS = _C.linear_slab_columns  # the packed layout's slab width (csrc/cpu/kernels.h)
 
 
+def packed_linear_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The packed layout of a [out_features, in_features] weight: [ceil(out / 48), in, 48]."""
+    return -(-out_features // SLAB_COLUMNS), in_features, SLAB_COLUMNS
+
+
 def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
     [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched.
@@ -104,7 +109,7 @@ def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) ->
     _checks.require_tensor(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    shape = (-(-weight.shape[0] // SLAB_COLUMNS), weight.shape[1], SLAB_COLUMNS)
+    shape = packed_linear_shape(*weight.shape)
     if out is None:
         out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
     else:
