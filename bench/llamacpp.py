@@ -14,8 +14,10 @@ Reported per npl: output tokens/s over the whole job, npl * tg / (prompt + gener
 of the per-round ratios. The two alternate, ROUNDS rounds each (this machine's speed drifts by +-15%
 over minutes); every round and npl has its own prompt, so nothing carries over in kvpage's prefix cache.
 
-    bash bench/peers/setup_llamacpp.sh   # once: builds llama.cpp (~20 min on 2 cores), F32 model
+    bash bench/peers/setup_llamacpp.sh   # once: builds llama.cpp (~20 min on 2 cores), F32 + BF16 models
     python bench/llamacpp.py             # npl 32, 48, 64; pp 128; tg 128; 3 rounds
+    python bench/llamacpp.py --weight-dtype bfloat16 --npl 1,4,16,64
+                                         # kvpage's 16-bit weights vs llama.cpp's BF16 model
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, print_table, random_prompt, write_json  # noqa: E402
-from peers.llamacpp_launcher import f32_model, run_batched_bench  # noqa: E402
+from peers.llamacpp_launcher import model_file, run_batched_bench  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, run_kvpage  # noqa: E402
@@ -54,11 +56,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--tg", type=int, default=128, help="generated tokens per sequence")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--weight-dtype", choices=("auto", "bfloat16"), default="auto",
+                        help="bfloat16: kvpage's weight_dtype='bfloat16' (16-bit weights, fp32 compute)"
+                        " against llama.cpp's BF16 model")
     args = parser.parse_args(argv)
     npls = [int(x) for x in args.npl.split(",") if x]
     torch.set_num_threads(args.threads)
+    weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
 
-    llm = kvpage.LLM()
+    llm = kvpage.LLM(weight_dtype=args.weight_dtype)
     run_ours(llm, args.pp, args.tg, max(npls), seed=10_000)  # warm-up: same shapes, other tokens
     ours = {n: [] for n in npls}
     theirs = {n: [] for n in npls}
@@ -66,7 +72,7 @@ def main(argv=None) -> dict:
         for n in npls:
             ours[n].append(run_ours(llm, args.pp, args.tg, n, seed=100 * r + n))
             print(f"round {r} kvpage npl={n}: {ours[n][-1]['output_tok_s']:.1f} output tok/s", flush=True)
-        layouts = {unified: run_batched_bench(args.pp, args.tg, npls, args.threads, unified)
+        layouts = {unified: run_batched_bench(args.pp, args.tg, npls, args.threads, unified, weight_type=weight_type)
                    for unified in (False, True)}
         for split_row, unified_row in zip(layouts[False], layouts[True]):
             for row, name in ((split_row, "per-sequence KV"), (unified_row, "unified KV")):
@@ -96,12 +102,15 @@ def report(args, npls, ours, theirs) -> dict:
                      "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
                      "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
                      + ", ".join(f"{x:.2f}" for x in ratios) + ")"})
-    print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, fp32, model {f32_model().name} for llama.cpp")
+    weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
+    print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, kvpage weight_dtype={args.weight_dtype},"
+          f" model {model_file(weight_type).name} for llama.cpp")
     print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp layout", "llama.cpp S_TG",
                        "kvpage/llama.cpp"])
     payload = {"pp": args.pp, "tg": args.tg, "threads": args.threads, "rounds": args.rounds,
+               "weight_dtype": args.weight_dtype,
                "machine": machine_info(), "results": results}
-    write_json("llamacpp", payload)
+    write_json("llamacpp" if args.weight_dtype == "auto" else f"llamacpp_{args.weight_dtype}", payload)
     return payload
 
 

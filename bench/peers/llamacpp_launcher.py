@@ -1,7 +1,7 @@
-"""Runs llama.cpp's own batched benchmark (llama-batched-bench) on the default model in F32.
+"""Runs llama.cpp's own batched benchmark (llama-batched-bench) on the default model in F32 (or BF16).
 
 llama.cpp stays out of kvpage's dependencies and out of CI: bench/peers/setup_llamacpp.sh builds it under
-$KVPAGE_LLAMACPP_DIR (default ~/.cache/kvpage/llama.cpp) and writes the F32 copy of the model there; this
+$KVPAGE_LLAMACPP_DIR (default ~/.cache/kvpage/llama.cpp) and writes F32 and BF16 copies of the model there; this
 module only starts the tool and reads its JSONL rows.
 """
 from __future__ import annotations
@@ -22,24 +22,26 @@ def batched_bench() -> Path:
     return llamacpp_dir() / "bin" / "llama-batched-bench"
 
 
-def f32_model() -> Path | None:
-    models = sorted(llamacpp_dir().glob("*.F32.gguf"))
+def model_file(weight_type: str = "F32") -> Path | None:
+    """The default model's GGUF in weight_type (F32 or BF16), as setup_llamacpp.sh writes it."""
+    models = sorted(llamacpp_dir().glob(f"*.{weight_type}.gguf"))
     return models[0] if models else None
 
 
-def available() -> bool:
-    return batched_bench().is_file() and f32_model() is not None
+def available(weight_type: str = "F32") -> bool:
+    return batched_bench().is_file() and model_file(weight_type) is not None
 
 
 def run_batched_bench(pp: int, tg: int, npls: list[int], threads: int, kv_unified: bool,
-                      timeout_s: float = 1800) -> list[dict]:
+                      timeout_s: float = 1800, weight_type: str = "F32") -> list[dict]:
     """One llama-batched-bench process: for each npl, npl sequences share one pp-token prompt (-pps:
     computed once, then copied to every sequence's cells; or, kv_unified, held once in one buffer all
     sequences attend over: -kvu) and then decode tg tokens together; flash attention on. Returns its
     rows (t_pp, t_tg, t in seconds; speed_* in tokens/s), one per npl."""
-    if not available():
-        raise RuntimeError(f"no llama.cpp peer under {llamacpp_dir()}: run bash bench/peers/setup_llamacpp.sh")
-    cmd = [str(batched_bench()), "-m", str(f32_model()), "-c", str(max(npls) * (pp + tg) + 16), "-b", "2048",
+    if not available(weight_type):
+        raise RuntimeError(f"no llama.cpp peer ({weight_type} model) under {llamacpp_dir()}:"
+                           f" run bash bench/peers/setup_llamacpp.sh")
+    cmd = [str(batched_bench()), "-m", str(model_file(weight_type)), "-c", str(max(npls) * (pp + tg) + 16), "-b", "2048",
            "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npls)), "-pps",
            "-kvu" if kv_unified else "-no-kvu", "-fa", "on", "-t", str(threads), "-tb", str(threads),
            "--output-format", "jsonl"]

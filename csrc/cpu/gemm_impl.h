@@ -13,7 +13,9 @@
 // registers, 3 for the weights, 1 for the broadcast input), run over the slab's two halves; the
 // generic build gets plain loops, correct but slower (kvpage.model.cpu_layout uses this path only
 // where a register-blocked kernel runs). Every kernel sums each output over k in order with one
-// fused multiply-add per term, then adds the bias: the same bits on AVX-512 and AVX2.
+// fused multiply-add per term, then adds the bias: the same bits on AVX-512 and AVX2. Slabs of bf16 or
+// fp16 weights (half the bytes to stream) are widened to fp32 as they are loaded, which is exact, so
+// they give the same bits as fp32 slabs of the same (16-bit representable) weights.
 #pragma once
 
 #if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
@@ -37,10 +39,31 @@ struct PrefetchStream {
   }
 };
 
+// 16-bit weight elements (LinearArgs::weight_dtype), distinct types so the loads below overload on them.
+struct Bf16Bits {
+  uint16_t bits;
+};
+struct HalfBits {
+  uint16_t bits;
+};
+inline float weight_to_float(float w) { return w; }
+inline float weight_to_float(Bf16Bits w) { return bf16_to_float(w.bits); }
+inline float weight_to_float(HalfBits w) { return half_to_float(w.bits); }
+
 #if defined(__AVX512F__)
 
-template <int R>
-void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t ldy, int64_t ncols,
+// 16 weights widened to fp32 (exactly: bf16 is fp32's top half, every fp16 value is an fp32 value).
+inline __m512 load_weights16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_weights16(const Bf16Bits* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_weights16(const HalfBits* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R, typename W>
+void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
                const float* bias, PrefetchStream pf) {
   constexpr int V = kSlabColumns / 16;  // zmm vectors per slab row
   __m512 acc[R][V];
@@ -49,7 +72,7 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
   for (int64_t k = 0; k < k_dim; ++k) {
     pf.next();
     __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(w + k * kSlabColumns + 16 * v);
+    for (int v = 0; v < V; ++v) wv[v] = load_weights16(w + k * kSlabColumns + 16 * v);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * k_dim + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
@@ -77,12 +100,21 @@ inline void store_columns(float* y, __m256 out, const float* bias, int64_t valid
   for (int64_t c = 0; c < valid; ++c) y[c] = tmp[c] + (bias ? bias[c] : 0.f);
 }
 
-template <int R>
-void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t ldy, int64_t ncols,
+inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_weights8(const Bf16Bits* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load_weights8(const HalfBits* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int R, typename W>
+void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
                const float* bias, PrefetchStream pf) {
   constexpr int kHalf = kSlabColumns / 2, V = kHalf / 8;  // 24 columns: 3 ymm vectors
   for (int h = 0; h < 2; ++h) {
-    const float* wh = w + h * kHalf;
+    const W* wh = w + h * kHalf;
     __m256 acc[R][V];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -92,7 +124,7 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
       if (h == 0) pf.next();  // the pass's share of the next slab, during the first half
       __m256 wv[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(wh + k * kSlabColumns + 8 * v);
+      for (int v = 0; v < V; ++v) wv[v] = load_weights8(wh + k * kSlabColumns + 8 * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * k_dim + k);
@@ -112,13 +144,14 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
 
 #else  // portable loops, vectorised by the compiler to whatever the ISA offers
 
-template <int R>
-void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t ldy, int64_t ncols,
+template <int R, typename W>
+void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
                const float* bias, PrefetchStream pf) {
   float acc[R][kSlabColumns] = {};
+  float wk[kSlabColumns];
   for (int64_t k = 0; k < k_dim; ++k) {
     pf.next();
-    const float* wk = w + k * kSlabColumns;
+    for (int64_t c = 0; c < kSlabColumns; ++c) wk[c] = weight_to_float(w[k * kSlabColumns + c]);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * k_dim + k];
 #pragma omp simd
@@ -131,35 +164,47 @@ void slab_pass(const float* x, int64_t k_dim, const float* w, float* y, int64_t 
 
 #endif
 
-using SlabPass = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*,
-                          PrefetchStream);
+template <typename W>
+using SlabPass = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*, PrefetchStream);
 
-// slab_pass<1> .. slab_pass<kMaxRowsPerPass>, indexed by rows - 1.
-template <size_t... R>
-constexpr std::array<SlabPass, sizeof...(R)> pass_table(std::index_sequence<R...>) {
-  return {{slab_pass<int(R) + 1>...}};
+// slab_pass<1, W> .. slab_pass<kMaxRowsPerPass, W>, indexed by rows - 1.
+template <typename W, size_t... R>
+constexpr std::array<SlabPass<W>, sizeof...(R)> pass_table(std::index_sequence<R...>) {
+  return {{slab_pass<int(R) + 1, W>...}};
 }
 
 // Slabs [slab_begin, slab_end) of y = x @ W.T + bias. Rows go in even passes of <= kMaxRowsPerPass
 // (64 rows are 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of the next slab.
-void linear_slabs(const LinearArgs& a, int64_t slab_begin, int64_t slab_end) {
-  static constexpr auto kPass = pass_table(std::make_index_sequence<kMaxRowsPerPass>{});
-  const int64_t slab_floats = a.k * kSlabColumns;
+template <typename W>
+void linear_slabs_of(const LinearArgs& a, const W* packed, int64_t slab_begin, int64_t slab_end) {
+  static constexpr auto kPass = pass_table<W>(std::make_index_sequence<kMaxRowsPerPass>{});
+  const int64_t slab_elements = a.k * kSlabColumns;
   const int64_t passes = (a.m + kMaxRowsPerPass - 1) / kMaxRowsPerPass;
-  const int64_t lines_per_pass = slab_floats * 4 / 64 / passes;
+  const int64_t lines_per_pass = slab_elements * int64_t(sizeof(W)) / 64 / passes;
   for (int64_t s = slab_begin; s < slab_end; ++s) {
-    const float* w = a.packed + s * slab_floats;
+    const W* w = packed + s * slab_elements;
     const int64_t col0 = s * kSlabColumns, ncols = imin(kSlabColumns, a.n - col0);
     const bool has_next = s + 1 < slab_end;
     int64_t row = 0;
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t rows = (a.m - row) / (passes - p);
-      const char* pf_base = reinterpret_cast<const char*>(w + slab_floats) + p * lines_per_pass * 64;
+      const char* pf_base = reinterpret_cast<const char*>(w + slab_elements) + p * lines_per_pass * 64;
       const PrefetchStream pf{pf_base, has_next ? lines_per_pass : 0, a.k};
       kPass[rows - 1](a.x + row * a.k, a.k, w, a.y + row * a.n + col0, a.n, ncols, a.bias ? a.bias + col0 : nullptr,
                   pf);
       row += rows;
     }
+  }
+}
+
+void linear_slabs(const LinearArgs& a, int64_t slab_begin, int64_t slab_end) {
+  switch (a.weight_dtype) {
+    case DType::kBFloat16:
+      return linear_slabs_of(a, static_cast<const Bf16Bits*>(a.packed), slab_begin, slab_end);
+    case DType::kHalf:
+      return linear_slabs_of(a, static_cast<const HalfBits*>(a.packed), slab_begin, slab_end);
+    default:
+      return linear_slabs_of(a, static_cast<const float*>(a.packed), slab_begin, slab_end);
   }
 }
 

@@ -55,12 +55,15 @@ struct PrefillPlan {
 constexpr int64_t kSlabColumns = 48;
 
 // y [m, n] = x [m, k] @ W.T + bias, W packed by pack_linear_slabs into 48-column slabs (gemm_impl.h).
+// The slabs hold fp32, or bf16 / fp16 (weights stored in 16 bits, widened exactly to fp32 as they are
+// loaded: half the bytes a memory-bound decode step streams, the same fp32 arithmetic).
 struct LinearArgs {
   const float* x;       // [m, k], contiguous
-  const float* packed;  // [ceil(n / 48), k, 48]
+  const void* packed;   // [ceil(n / 48), k, 48] of weight_dtype
   const float* bias;    // [n] or null
   float* y;             // [m, n], contiguous
   int64_t m, n, k;
+  DType weight_dtype = DType::kFloat;  // kFloat, kBFloat16 or kHalf
 };
 
 struct KernelTable {

@@ -1,5 +1,5 @@
 // CPU glue for the packed linear layer (kernel in gemm_impl.h): weights packed once into 48-column
-// slabs, then y = x @ W.T + bias with the slabs split over torch's threads in contiguous runs, so
+// slabs (fp32, or bf16 / fp16 storage), then y = x @ W.T + bias with the slabs split over torch's threads in contiguous runs, so
 // each thread streams its share of the weight front to back (once per block of rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,11 +24,21 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
+// A packed weight's element type: fp32, or bf16 / fp16 storage that the kernels widen to fp32.
+DType check_packed(const at::Tensor& packed) {
+  const at::ScalarType t = packed.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                   "packed must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK_VALUE(packed.device().is_cpu(), "packed must be a CPU tensor, got ", packed.device());
+  TORCH_CHECK_VALUE(packed.is_contiguous(), "packed must be contiguous, got strides ", packed.strides());
+  return t == at::kFloat ? DType::kFloat : t == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
+}
+
 }  // namespace
 
 void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight) {
   check_float_cpu(weight, "weight");
-  check_float_cpu(packed, "packed");
+  const DType weight_dtype = check_packed(packed);
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
                     "weight must be a non-empty [out_features, in_features] matrix, got shape ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -36,15 +46,19 @@ void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight) {
                         packed.size(2) == kSlabColumns,
                     "packed must have shape [", num_slabs(n), ", ", k, ", ", kSlabColumns, "], got ", packed.sizes());
   const auto pack = active_kernels().pack_linear_slabs;
+  // 16-bit slabs: packed in fp32, then rounded to nearest even by torch's own conversion, so a
+  // slab element is exactly weight.to(packed.dtype) of its weight.
+  at::Tensor staging = weight_dtype == DType::kFloat ? packed : at::empty(packed.sizes(), weight.options());
   const float* w = weight.data_ptr<float>();
-  float* p = packed.data_ptr<float>();
+  float* p = staging.data_ptr<float>();
   at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) { pack(w, n, k, p, begin, end); });
+  if (weight_dtype != DType::kFloat) packed.copy_(staging);
 }
 
 void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
                    const std::optional<at::Tensor>& bias) {
   check_float_cpu(input, "input");
-  check_float_cpu(packed, "packed");
+  const DType weight_dtype = check_packed(packed);
   check_float_cpu(out, "out");
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kSlabColumns,
                     "packed must be [slabs, in_features, ", kSlabColumns, "] from pack_linear_weight, got shape ",
@@ -63,8 +77,8 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
                       bias->sizes());
   }
   if (m == 0) return;
-  LinearArgs a{input.data_ptr<float>(), packed.data_ptr<float>(),
-               bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k};
+  LinearArgs a{input.data_ptr<float>(), packed.data_ptr(),
+               bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k, weight_dtype};
   const auto slabs = active_kernels().linear_slabs;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) {

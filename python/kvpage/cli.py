@@ -28,7 +28,8 @@ def _params(args):
 
 def _llm(args):
     import kvpage
-    return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype)
+    return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
+                      weight_dtype=args.weight_dtype)
 
 
 def cmd_generate(args) -> None:
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"),
                        default="auto", help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32; bfloat16 /"
                        " float16: 2x (CPU, float32 model); neither is token-identical")
+        p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
+                       help="bfloat16 / float16: the weights rounded to and stored in 16 bits, computed in"
+                       " float32 (CPU, float32 model): half the bytes a decode step streams")
         p.add_argument("--max-tokens", type=int, default=64 if name != "chat" else 256)
         p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
         p.add_argument("--top-p", type=float, default=1.0)

@@ -1,6 +1,6 @@
 """The packed linear layer (pack_linear_weight + packed_linear) against ops/reference.py, on every CPU
 ISA: ragged widths (a last slab of padding columns), every row count a pass can take, bias, views
-of the input, and bad input."""
+of the input, 16-bit (bf16 / fp16) slabs, and bad input."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -63,6 +63,35 @@ def test_packing_into_out_fills_it_as_a_fresh_pack_would():
     assert buffer[:16 * 48].isnan().all()  # nothing outside the view is touched
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@given(rows=st.integers(1, 40), n=st.integers(1, 130), k=st.integers(1, 200), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_16bit_slabs_compute_as_fp32_slabs_of_the_rounded_weight(cpu_isa, dtype, rows, n, k, bias, seed):
+    """A 16-bit slab holds weight.to(dtype) (round to nearest even) and is widened exactly: the same
+    bits as fp32 slabs of the rounded weight, and close to the reference over it."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    rounded = w.to(dtype).float()
+    packed = pack_linear_weight(w, dtype=dtype)
+    assert packed.dtype == dtype
+    assert torch.equal(packed.float(), pack_linear_weight(rounded))
+    out = packed_linear(x, packed, n, b)
+    assert torch.equal(out, packed_linear(x, pack_linear_weight(rounded), n, b))
+    _close(out, reference.linear(x, rounded, b), k)
+
+
+def test_16bit_slabs_round_ties_to_even_and_keep_specials():
+    # bf16 keeps 8 significand bits: 1 + 2^-8 is a tie (rounds down to 1), 1 + 3 * 2^-8 rounds up.
+    w = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, float("inf"), -0.0, 1e-40, 3.0]])
+    packed = pack_linear_weight(w, dtype=torch.bfloat16)
+    assert torch.equal(packed[0, :, 0].float(), w[0].to(torch.bfloat16).float())
+    finite = w[:, [0, 1, 3, 4, 5]]  # a product with inf would be 0 * inf = nan
+    out = packed_linear(torch.eye(5), pack_linear_weight(finite, dtype=torch.bfloat16), 1)
+    assert torch.equal(out[:, 0], finite[0].to(torch.bfloat16).float())
+
+
 def test_zero_rows():
     assert packed_linear(torch.empty(0, 16), pack_linear_weight(torch.randn(5, 16)), 5).shape == (0, 5)
 
@@ -74,7 +103,12 @@ def test_zero_rows():
     (lambda p: packed_linear(torch.randn(3, 16), p, 40, torch.randn(39)), "bias"),
     (lambda p: packed_linear(torch.randn(3, 16).double(), p, 40), "input"),
     (lambda p: packed_linear(torch.randn(3, 16), p[0], 40), "packed"),
-    (lambda p: packed_linear(torch.randn(3, 16), p.half(), 40), "packed"),
+    (lambda p: packed_linear(torch.randn(3, 16), p.double(), 40), "packed"),
+    (lambda p: packed_linear(torch.randn(3, 16), p.to(torch.int16), 40), "packed"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), dtype=torch.float64), "dtype"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), dtype=torch.float8_e4m3fn), "dtype"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(1, 16, 48), dtype=torch.bfloat16), "out"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16).bfloat16(), dtype=torch.bfloat16), "weight"),
     (lambda p: pack_linear_weight(torch.randn(40)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(0, 16)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(4, 16, dtype=torch.float64)), "weight"),

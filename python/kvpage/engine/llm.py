@@ -32,11 +32,15 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
-                 tokenizer=None, kv_cache_dtype: str = "auto") -> None:
+                 tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
-        twice the tokens per GiB, half the bytes decode attention reads; not token-identical either)."""
+        twice the tokens per GiB, half the bytes decode attention reads; not token-identical either).
+        weight_dtype: "auto" (the weights as loaded), or "bfloat16" / "float16" for a float32 model on
+        CPU: every weight rounded to 16 bits in place (a model object passed in too), the linear layers
+        stored in 16 bits and computed in float32, so a small batch's decode step, bound by streaming
+        the weights, reads half the bytes; greedy output is HF generate's on the rounded weights."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
@@ -51,11 +55,16 @@ class LLM:
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
-        from kvpage.model import ModelRunner, kv_cache_dtype_from_name, load_model  # torch: when an LLM is built
-        from kvpage.model.runner import check_cache_dtype
+        from kvpage.model import (ModelRunner, kv_cache_dtype_from_name, load_model,  # torch: when an LLM is built
+                                  weight_dtype_from_name)
+        from kvpage.model.runner import check_cache_dtype, check_weight_dtype
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
+        weight_storage = weight_dtype_from_name(weight_dtype)
+        if weight_storage is not None and tensor_parallel_size > 1:
+            raise ValueError(f"weight_dtype={weight_dtype!r} is not supported with tensor_parallel_size > 1 yet")
         self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
+        check_weight_dtype(weight_storage, self.model.dtype, next(self.model.parameters()).device)
         self.kv_cache_dtype = cache_dtype or self.model.dtype
         check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
@@ -74,7 +83,7 @@ class LLM:
             num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
             self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
-                                      kv_cache_dtype=self.kv_cache_dtype)
+                                      kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,

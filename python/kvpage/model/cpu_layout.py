@@ -126,16 +126,17 @@ def _fusable_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return groups + singles
 
 
-def _pack_slabs(model: torch.nn.Module) -> int:
+def _pack_slabs(model: torch.nn.Module, dtype: torch.dtype) -> int:
     groups = _fusable_groups(model)
     if not groups:
         return 0
-    arena = SlabArena([(sum(m.out_features for m in members), members[0].in_features) for members in groups])
+    arena = SlabArena([(sum(m.out_features for m in members), members[0].in_features) for members in groups], dtype)
     changed = 0
     for i, members in enumerate(groups):
         weight = torch.cat([m.weight.detach() for m in members]) if len(members) > 1 else members[0].weight.detach()
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        fused = _Fused(layers.pack_linear_weight(weight, out=arena.view(i)), bias, weight.shape[0], len(members))
+        packed = layers.pack_linear_weight(weight, out=arena.view(i), dtype=dtype)
+        fused = _Fused(packed, bias, weight.shape[0], len(members))
         start = 0
         for m in members:
             _SLABS[m] = (fused, start)
@@ -152,13 +153,13 @@ class SlabArena:
     1-16 rows, level from 32, where the GEMM is compute-bound). One buffer also gives the small
     matrices (576 x 576: 1.3 MiB) huge pages."""
 
-    def __init__(self, sizes: list[tuple[int, int]]) -> None:
-        """sizes: (out_features, in_features) of each packed matrix."""
+    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype = torch.float32) -> None:
+        """sizes: (out_features, in_features) of each packed matrix; dtype: what the slabs store."""
         self.shapes = [layers.packed_linear_shape(n, k) for n, k in sizes]
         self.offsets = [0]
         for slabs, k, c in self.shapes:
             self.offsets.append(self.offsets[-1] + slabs * k * c)
-        self.buffer = huge_page_empty(self.offsets[-1] * 4).view(torch.float32)
+        self.buffer = huge_page_empty(self.offsets[-1] * dtype.itemsize).view(dtype)
 
     def view(self, i: int) -> torch.Tensor:
         return self.buffer[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
@@ -175,9 +176,27 @@ def _pack_mkl(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def prepack_linear_weights(model: torch.nn.Module) -> int:
+def prepack_linear_weights(model: torch.nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
     """Give every fp32 CPU nn.Linear of `model` a packed weight its forward multiplies with (kvpage's
-    slabs on AVX-512 and AVX2 CPUs, else MKL's); returns how many changed (0 where neither is available)."""
+    slabs on AVX-512 and AVX2 CPUs, else MKL's); returns how many changed (0 where neither is available).
+    weight_dtype: what the slabs store (float32, or bfloat16 / float16 for weights that are already
+    representable in it: see round_weights); MKL's packing keeps float32."""
     if slab_kernel_available():
-        return _pack_slabs(model)
+        return _pack_slabs(model, weight_dtype)
     return _pack_mkl(model) if mkl_packing_available() else 0
+
+
+def has_packed_weights(model: torch.nn.Module) -> bool:
+    """Whether some linear of `model` already multiplies with a packed copy of its weight (another
+    runner prepared this model): rounding its weights now would leave those copies unrounded."""
+    return any(m in _SLABS or m in _MKL for m in model.modules())
+
+
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every floating-point parameter of `model` to `dtype` precision in place, keeping its
+    fp32 storage: the model then computes what model.to(dtype) would hold, in fp32 arithmetic, and
+    16-bit slabs of its linears (prepack_linear_weights) lose nothing."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.copy_(param.to(dtype))

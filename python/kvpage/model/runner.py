@@ -16,7 +16,7 @@ from kvpage import ops
 from kvpage.core.scheduler_output import logits_rows
 
 from .attention import head_dim_of, validate_config
-from .cpu_layout import prepack_linear_weights
+from .cpu_layout import has_packed_weights, prepack_linear_weights, round_weights
 from .fast_decoder_layer import install_fast_decoder_layers
 from .fast_rotary import RotarySwap
 from .fused_layers import fuse_small_layers
@@ -65,6 +65,31 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
                    "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# weight_dtype names: "auto" keeps the model's weights as they are; "bfloat16" / "float16" round a float32
+# model's weights to 16 bits (every parameter, in place) and store its linear layers' packed slabs in 16
+# bits on CPU, computing in float32 as before: half the bytes a decode step streams (the modules keep
+# their float32 weights, so resident memory does not shrink).
+WEIGHT_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_dtype_from_name(name) -> torch.dtype | None:
+    """The weight storage dtype a weight_dtype name asks for; None for "auto"."""
+    if not isinstance(name, str) or name not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got {name!r}")
+    return WEIGHT_DTYPES[name]
+
+
+def check_weight_dtype(weight_dtype: torch.dtype | None, dtype: torch.dtype, device: torch.device) -> None:
+    """None, or a 16-bit storage dtype for a float32 model on CPU; else ValueError."""
+    if weight_dtype is None:
+        return
+    if weight_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"weight_dtype must be None, torch.bfloat16 or torch.float16, got {weight_dtype!r}")
+    if dtype != torch.float32 or device.type != "cpu":
+        raise ValueError(f"weight_dtype {weight_dtype} needs a float32 model on CPU (16-bit storage, float32"
+                         f" compute); got a {dtype} model on {device.type}")
+
+
 def check_cache_dtype(cache_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
     """A cache dtype the kernels pair with compute in `dtype` on `device`, or ValueError."""
     narrowed = dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
@@ -101,15 +126,21 @@ class ModelRunner:
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
                  num_host_blocks: int = 0, num_kv_heads: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
         model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
-        CPU (see KV_CACHE_DTYPES)."""
+        CPU (see KV_CACHE_DTYPES). weight_dtype: None, or bfloat16 / float16 for a float32 model on CPU:
+        its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES)."""
         config = model.config
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
         check_cache_dtype(self.cache_dtype, self.dtype, next(model.parameters()).device)
+        check_weight_dtype(weight_dtype, self.dtype, next(model.parameters()).device)
+        if weight_dtype is not None and has_packed_weights(model):
+            raise ValueError(f"weight_dtype {weight_dtype}: this model's linears were already packed by another"
+                             f" kvpage runner, from its unrounded weights; pass a freshly loaded model")
+        self.weight_dtype = weight_dtype or self.dtype
         validate_config(config, self.dtype)
         if model.dtype != self.dtype:
             # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
@@ -123,7 +154,9 @@ class ModelRunner:
         self._rotary = None
         self._lean = None  # the base model's forward minus HF's Python, where it reproduces it
         if self.device.type == "cpu":
-            prepack_linear_weights(model)
+            if weight_dtype is not None:
+                round_weights(model, weight_dtype)
+            prepack_linear_weights(model, weight_dtype or torch.float32)
             fuse_small_layers(model)
             self._rotary = RotarySwap(model)
             install_fast_decoder_layers(model)

@@ -101,21 +101,31 @@ def packed_linear_shape(out_features: int, in_features: int) -> tuple[int, int, 
     return -(-out_features // SLAB_COLUMNS), in_features, SLAB_COLUMNS
 
 
-def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+# What a packed weight may be stored as: fp32, or 16 bits that the kernel widens to fp32 as it loads them.
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
     [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched.
-    out: a contiguous tensor of that shape and the weight's dtype to pack into (say, a view of one
-    buffer holding a whole model's packed weights)."""
+    dtype: what the slabs store, float32 (the default) or bfloat16 / float16: each element is then
+    weight.to(dtype) (round to nearest even), half the bytes to stream, and packed_linear computes in
+    fp32 exactly as over fp32 slabs of those rounded weights. out: a contiguous tensor of that shape
+    and dtype to pack into (say, a view of one buffer holding a whole model's packed weights)."""
     _checks.require_tensor(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    dtype = torch.float32 if dtype is None else dtype
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"dtype must be one of {PACKED_DTYPES}, got {dtype!r}")
     shape = packed_linear_shape(*weight.shape)
     if out is None:
-        out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        out = torch.empty(shape, dtype=dtype, device=weight.device)
     else:
         _checks.require_tensor(out, "out")
-        if tuple(out.shape) != shape or out.dtype != weight.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {weight.dtype} tensor of shape {shape}, got"
+        if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape}, got"
                              f" {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
     ops.pack_linear_weight(out, weight.contiguous())
     return out
@@ -124,7 +134,8 @@ def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) ->
 def packed_linear(input: torch.Tensor, packed: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """input [..., in_features] @ weight.T + bias from pack_linear_weight(weight): [..., out_features].
-    Built for decode's few rows (weights streamed once per call); fp32 CPU only."""
+    Built for decode's few rows (weights streamed once per call); fp32 input and output on CPU, packed
+    in fp32, bf16 or fp16."""
     _checks.require_tensor(input, "input")
     _checks.require_tensor(packed, "packed")
     if not isinstance(out_features, int) or out_features <= 0:

@@ -1,0 +1,99 @@
+"""LLM(weight_dtype="bfloat16" / "float16") for the float32 default model on CPU: every weight rounded
+to 16 bits in place, the linears packed in 16 bits and computed in float32. The reference is HF
+generate on those same (rounded) parameters, so greedy tokens must agree as between any two fp32
+implementations."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kvpage
+from kvpage.model import cpu_layout
+from kvpage.model.runner import check_weight_dtype
+from engine_helpers import GREEDY, PROMPTS, assert_greedy_matches, hf_generate, make_llm
+
+STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_PROMPTS = PROMPTS[:6] + PROMPTS[11:14]
+
+
+@pytest.fixture(scope="module", params=sorted(STORAGE))
+def rounded(request, llm):
+    """(weight_dtype name, an LLM with it on a freshly loaded default model, HF's greedy references on
+    that model's rounded parameters)."""
+    engine = kvpage.LLM(num_kv_blocks=1024, weight_dtype=request.param)
+    hf = copy.deepcopy(engine.model)  # the copy's linears find no packed weight: plain F.linear
+    hf.set_attn_implementation("sdpa")
+    ids = [engine.tokenizer.encode(p) for p in WEIGHT_PROMPTS]
+    return request.param, engine, hf_generate(hf.eval(), ids, GREEDY.max_tokens)
+
+
+def test_weights_are_rounded_and_linears_stored_in_16_bits(llm, rounded):
+    name, engine, _ = rounded
+    dtype = STORAGE[name]
+    params = dict(engine.model.named_parameters())
+    for param in params.values():
+        assert param.dtype == torch.float32 and torch.equal(param, param.to(dtype).float())
+    originals = dict(llm.model.named_parameters())
+    assert any(not torch.equal(p, originals[n]) for n, p in params.items())  # rounding changed something
+    slabs = [cpu_layout._SLABS.get(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert slabs and all(entry is not None and entry[0].packed.dtype == dtype for entry in slabs)
+
+
+def _sampled_logprobs(output) -> torch.Tensor:
+    completion = output.outputs[0]
+    return torch.tensor([d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids)])
+
+
+def _reference_logprobs(ref) -> torch.Tensor:
+    tokens, logits = ref
+    return torch.tensor([torch.log_softmax(lg, -1)[t].item() for lg, t in zip(logits, tokens)])
+
+
+def test_logprobs_are_those_of_the_rounded_weights(rounded, hf_greedy):
+    """Greedy tokens rarely move under 16-bit rounding (they did not on these prompts), logprobs do: the
+    engine's match HF's on the rounded weights, and stand clearly apart from the float32 model's."""
+    _, engine, refs = rounded
+    params = kvpage.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, logprobs=0)
+    outputs = engine.generate(WEIGHT_PROMPTS, params, use_tqdm=False)
+    full = [hf_greedy[PROMPTS.index(p)] for p in WEIGHT_PROMPTS]
+    near, far = 0.0, 0.0
+    for out, ref, ref32 in zip(outputs, refs, full):
+        if out.outputs[0].token_ids != ref[0] or ref[0] != ref32[0]:
+            continue  # compare where all three chose the same tokens
+        got = _sampled_logprobs(out)
+        near = max(near, (got - _reference_logprobs(ref)).abs().max().item())
+        far = max(far, (got - _reference_logprobs(ref32)).abs().max().item())
+    print(f"max |logprob - rounded reference| {near:.2e}, - float32 reference {far:.2e}")
+    assert far > 0, "no prompt to compare"
+    assert near < 5e-4 and far > 10 * near
+
+
+@pytest.mark.parametrize("config", [{}, dict(enable_prefix_caching=False, max_num_batched_tokens=32)],
+                         ids=["prefix_caching", "chunked_prefill"])
+def test_greedy_matches_hf_on_the_rounded_weights(rounded, config):
+    name, engine, refs = rounded
+    outputs = make_llm(engine, **config).generate(WEIGHT_PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_matches(outputs, refs)
+
+
+def test_bad_weight_dtype_names_the_argument(llm):
+    with pytest.raises(ValueError, match="weight_dtype"):
+        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, weight_dtype="int8")
+    with pytest.raises(ValueError, match="weight_dtype"):
+        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, weight_dtype="bfloat16", tensor_parallel_size=2)
+    before = [p.clone() for p in llm.model.parameters()]
+    with pytest.raises(ValueError, match="weight_dtype"):  # its linears are packed already, unrounded
+        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, num_kv_blocks=64, weight_dtype="bfloat16")
+    assert all(torch.equal(a, b) for a, b in zip(before, llm.model.parameters()))  # and nothing was rounded
+
+
+@pytest.mark.parametrize("weight_dtype,dtype,device", [
+    (torch.bfloat16, torch.bfloat16, "cpu"),  # 16-bit storage under float32 compute only
+    (torch.float16, torch.float32, "cuda"),
+    (torch.float8_e4m3fn, torch.float32, "cpu"),
+])
+def test_unsupported_pairings_name_weight_dtype(weight_dtype, dtype, device):
+    with pytest.raises(ValueError, match="weight_dtype"):
+        check_weight_dtype(weight_dtype, dtype, torch.device(device))
