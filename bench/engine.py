@@ -145,7 +145,7 @@ def run_hf_generate_batch(model, tokenizer, workload) -> dict:
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
 
 
-def plot(rows, path):
+def plot(rows, path, dtype: str = "fp32"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,7 +155,7 @@ def plot(rows, path):
     ax.bar(names, [r["output_tok_s"] for r in rows])
     ax.tick_params(axis="x", labelrotation=30)
     ax.set_ylabel("output tokens/s")
-    ax.set_title("SmolLM2-135M fp32, 64 requests sharing a system prompt")
+    ax.set_title(f"SmolLM2-135M {dtype}, 64 requests sharing a system prompt")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -172,7 +172,12 @@ def main(argv=None) -> dict:
                         f" (default {ROUNDS}, 1 with --quick)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="kvpage's KV cache dtype (fp8: float8_e4m3fn, not token-identical)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="weights and KV cache in bfloat16: kvpage's weight_dtype and kv_cache_dtype"
+                             " 'bfloat16' (float32 compute) against vLLM's dtype='bfloat16'")
     args = parser.parse_args(argv)
+    if args.bf16 and args.kv_cache_dtype != "auto":
+        parser.error("--bf16 sets the KV cache dtype itself")
     workload = quick_workload() if args.quick else make_workload()
     rounds = args.rounds or (1 if args.quick else ROUNDS)
     if not 1 <= rounds < len(MARKER_WORDS):
@@ -181,26 +186,31 @@ def main(argv=None) -> dict:
     res = {"rounds": rounds}
     with_vllm = args.vllm and not args.no_peers
     for caching in ((True, False) if args.vllm else (True,)):
-        res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype))
+        res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype, args.bf16))
         gc.collect()
     if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model()
         for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
             res[name] = _run_peer(fn, hf, tok, workload)
+    res["bf16"] = args.bf16
     return report(res, workload, args.quick)
 
 
-def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache_dtype: str = "auto") -> dict:
+def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache_dtype: str = "auto",
+            bf16: bool = False) -> dict:
     """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round (kvpage's KV cache
-    in kv_cache_dtype; vLLM's stays in the model's dtype)."""
+    in kv_cache_dtype; vLLM's stays in the model's dtype). bf16: both store weights and K/V in bfloat16
+    (vLLM computes in it too, kvpage in float32)."""
     name, peer_name = ("kvpage", "vllm") if caching else ("kvpage_no_prefix_cache", "vllm_no_prefix_cache")
-    llm = kvpage.LLM(enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype)
+    storage = dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16") if bf16 else dict(kv_cache_dtype=kv_cache_dtype)
+    llm = kvpage.LLM(enable_prefix_caching=caching, **storage)
     run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
     peer, peer_error = None, None
     if with_vllm:
         try:
             peer = VllmPeer(str(default_model_dir()), warmup, workload.output_lens, caching,
-                            kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads())
+                            kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads(),
+                            dtype="bfloat16" if bf16 else "float32")
         except Exception as e:  # reported in the table, not fatal
             peer_error = f"{type(e).__name__}: {e}"
     ours, theirs, roofs = [], [], []
@@ -315,14 +325,14 @@ def report(res: dict, workload, quick: bool) -> dict:
     print(f"prefix-cache hit rate {kv['prefix_cache_hit_rate']:.0%}, preemptions {kv['num_preemptions']},"
           f" peak KV blocks {kv['max_kv_blocks_used']}/{kv['num_kv_blocks']};"
           f" matmul {roof['matmul_gflop_s']:.0f} GFLOP/s")
-    name = "engine_quick" if quick else "engine"
+    name = ("engine_quick" if quick else "engine") + ("_bf16" if res.get("bf16") else "")
     payload = {"workload": {"num_requests": len(workload.prompts), "output_tokens": workload.num_output_tokens,
                             "seed": 0}, "machine": machine_info(), **res}
     write_json(name, payload)
     bars = [{"system": k, "output_tok_s": res[k]["output_tok_s"]} for k in SYSTEMS
             if "output_tok_s" in res.get(k, {})]
     plot(bars + [{"system": "roofline", "output_tok_s": workload.num_output_tokens / roof["roofline_seconds"]}],
-         RESULTS_DIR / f"{name}.png")
+         RESULTS_DIR / f"{name}.png", "bf16" if res.get("bf16") else "fp32")
     return payload
 
 

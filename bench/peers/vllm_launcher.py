@@ -33,13 +33,13 @@ class VllmPeer:
 
     def __init__(self, model_dir: str, warmup_prompts: list[list[int]], output_lens: list[int],
                  enable_prefix_caching: bool, kv_cache_gib: float, threads: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, dtype: str = "float32") -> None:
         if not available():
             raise RuntimeError(f"no vLLM venv at {vllm_python().parent.parent}: run bash bench/peers/setup_vllm.sh")
         self._tmp = tempfile.TemporaryDirectory()
         spec = {"model": model_dir, "warmup_prompts": warmup_prompts, "output_lens": output_lens,
                 "enable_prefix_caching": enable_prefix_caching, "block_size": VLLM_BLOCK_SIZE,
-                "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+                "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}
         spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

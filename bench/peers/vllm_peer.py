@@ -41,7 +41,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     import vllm
 
-    llm = LLM(model=spec["model"], dtype="float32", block_size=spec["block_size"],
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), block_size=spec["block_size"],
               enable_prefix_caching=spec["enable_prefix_caching"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
     engine = llm.llm_engine

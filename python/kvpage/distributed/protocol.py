@@ -33,10 +33,14 @@ _SLOTS = ("kind", "message", "num_seqs", "num_tokens", "width", "num_sampled", "
 KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN, MAX_SEQ_LEN, \
     PAYLOAD_LEN = range(len(_SLOTS))
 HEADER_LEN = len(_SLOTS)
-# An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES).
-NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED
+# An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES, WEIGHT_DTYPE
+# into WEIGHT_DTYPES).
+NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, \
+    SWAP_OUT
 # The cache dtypes a rank can be asked for: None is the model's own.
 CACHE_DTYPES = (None, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+# The weight storage a rank can be asked for (ModelRunner's weight_dtype): None keeps the weights as loaded.
+WEIGHT_DTYPES = (None, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
 
 
@@ -61,14 +65,19 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 
 
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                    cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
-                  num_sampled=CACHE_DTYPES.index(cache_dtype))
+                  num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype))
 
 
 def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:
     """An ALLOCATE header's cache dtype (None: the model's)."""
     return CACHE_DTYPES[int(h[KV_CACHE_DTYPE])]
+
+
+def weight_dtype_of(h: torch.Tensor) -> torch.dtype | None:
+    """An ALLOCATE header's weight storage dtype (None: the weights as loaded)."""
+    return WEIGHT_DTYPES[int(h[WEIGHT_DTYPE])]
 
 
 def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

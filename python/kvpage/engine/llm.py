@@ -61,8 +61,6 @@ class LLM:
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
         weight_storage = weight_dtype_from_name(weight_dtype)
-        if weight_storage is not None and tensor_parallel_size > 1:
-            raise ValueError(f"weight_dtype={weight_dtype!r} is not supported with tensor_parallel_size > 1 yet")
         self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
         check_weight_dtype(weight_storage, self.model.dtype, next(self.model.parameters()).device)
         self.kv_cache_dtype = cache_dtype or self.model.dtype
@@ -75,7 +73,8 @@ class LLM:
             swap_gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
         if tensor_parallel_size > 1:
             # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
-            self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib)
+            self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib,
+                                                      weight_storage)
             self.model = self.runner.model
             num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
         else:
@@ -124,7 +123,7 @@ class LLM:
         return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype)
 
     def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
-                               swap_gib: float):
+                               swap_gib: float, weight_dtype=None):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
         and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
         as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
@@ -137,7 +136,8 @@ class LLM:
                 cuda = executor.device.type == "cuda"
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
-            executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype)
+            executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
+                              weight_dtype)
         except BaseException:
             executor.shutdown()
             raise
