@@ -1,6 +1,7 @@
 """The linear layers of one decode step, three ways: nn.Linear (sgemm), MKL's packed sgemm, kvpage's
 slab kernel with q/k/v and gate/up fused (kvpage.model.cpu_layout's two packings), each matrix on its own
-(4 KiB pages) and all of them in one buffer on huge pages, as the engine packs them.
+(4 KiB pages) and all of them in one buffer on huge pages, as the engine packs them; and that buffer in
+bf16 (LLM(weight_dtype="bfloat16"): half the bytes, fp32 arithmetic).
 
 All 30 layers of SmolLM2-135M's shapes plus its vocab projection, random weights, each matrix used
 once per pass so the weights come from memory as in the engine (a step streams ~540 MB of fp32
@@ -67,6 +68,12 @@ def main():
     in_arena = [(w.shape[0], pack_linear_weight(w, out=arena.view(i))) for i, w in enumerate(fused)]
     systems["kvpage slabs, huge pages"] = [(p.shape[1], lambda x, n=n, p=p: packed_linear(x, p, n))
                                            for n, p in in_arena]
+    # LLM(weight_dtype="bfloat16"): the same arena in bf16, widened to fp32 as loaded (same arithmetic).
+    arena16 = cpu_layout.SlabArena([tuple(w.shape) for w in fused], torch.bfloat16)
+    in_arena16 = [(w.shape[0], pack_linear_weight(w, out=arena16.view(i), dtype=torch.bfloat16))
+                  for i, w in enumerate(fused)]
+    systems["kvpage slabs, bf16 weights"] = [(p.shape[1], lambda x, n=n, p=p: packed_linear(x, p, n))
+                                             for n, p in in_arena16]
     flops_per_row = 2 * sum(n * k for n, k in FUSED) * LAYERS + 2 * VOCAB * HIDDEN
     rows_out = []
     for rows in args.rows:
