@@ -57,7 +57,7 @@
   /* query/key [tokens, heads, d] -> *_out, rotated by cos/sin [tokens, d] (HF rotate-half form). */ \
   void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tensor& query,         \
                         const at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin);        \
-  /* packed [ceil(n / 48), k, 48] (fp32, bf16 or fp16) <- weight [n, k]: what packed_linear streams. */ \
+  /* packed [ceil(n / 48), k, 48] (fp32/bf16/fp16) <- weight [n, k]: packed_linear's layout. */   \
   void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight);                          \
   /* out [m, n] = input [m, k] @ weight.T + bias, from pack_linear_weight's packed weight. */     \
   void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,          \

@@ -1,6 +1,7 @@
 // CPU glue for the packed linear layer (kernel in gemm_impl.h): weights packed once into 48-column
-// slabs (fp32, or bf16 / fp16 storage), then y = x @ W.T + bias with the slabs split over torch's threads in contiguous runs, so
-// each thread streams its share of the weight front to back (once per block of rows).
+// slabs (fp32, or bf16 / fp16 storage), then y = x @ W.T + bias with the slabs split over torch's
+// threads in contiguous runs, so each thread streams its share of the weight front to back (once per
+// block of rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

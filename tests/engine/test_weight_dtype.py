@@ -95,3 +95,22 @@ def test_bad_weight_dtype_names_the_argument(llm):
 def test_unsupported_pairings_name_weight_dtype(weight_dtype, dtype, device):
     with pytest.raises(ValueError, match="weight_dtype"):
         check_weight_dtype(weight_dtype, dtype, torch.device(device))
+
+
+def test_float16_refuses_weights_beyond_its_range():
+    """A weight past 65504 would round to inf: refused by name, before any parameter is changed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvpage.model import ModelRunner
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e5
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="weight_dtype float16.*down_proj"):
+        ModelRunner(model, num_kv_blocks=4, weight_dtype=torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    ModelRunner(model, num_kv_blocks=4, weight_dtype=torch.bfloat16)  # bf16 has float32's range
+    assert model.model.layers[0].mlp.down_proj.weight[0, 0].item() == 99840.0  # 1e5 rounded to bf16

@@ -196,7 +196,14 @@ def has_packed_weights(model: torch.nn.Module) -> bool:
 def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Round every floating-point parameter of `model` to `dtype` precision in place, keeping its
     fp32 storage: the model then computes what model.to(dtype) would hold, in fp32 arithmetic, and
-    16-bit slabs of its linears (prepack_linear_weights) lose nothing."""
-    for param in model.parameters():
-        if param.is_floating_point():
-            param.copy_(param.to(dtype))
+    16-bit slabs of its linears (prepack_linear_weights) lose nothing. Raises ValueError, changing
+    nothing, where a weight is beyond float16's range (it would become inf)."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        too_large = [n for n, p in model.named_parameters() if p.is_floating_point() and p.abs().max() > limit]
+        if too_large:
+            raise ValueError(f"weight_dtype float16: {too_large[0]} holds values beyond float16's range"
+                             f" (+-{limit:g}); use bfloat16")
+    for param in params:
+        param.copy_(param.to(dtype))
