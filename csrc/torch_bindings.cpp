@@ -64,6 +64,8 @@ PYBIND11_MODULE(_C, m) {
         "Instruction set the CPU kernels run with");
   m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx512', 'avx2' or 'generic')");
   m.def("available_cpu_isas", &kvpage::cpu::available_isas);
+  m.def("bf16_dot_available", &kvpage::cpu::bf16_dot_available,
+        "Whether packed_linear takes pair-interleaved bf16 slabs (AVX512-BF16 dot products) here");
   m.attr("linear_slab_columns") = kvpage::cpu::kSlabColumns;
 #ifdef KVPAGE_WITH_CUDA
   m.attr("built_with_cuda") = true;

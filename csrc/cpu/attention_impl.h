@@ -306,9 +306,15 @@ namespace cpu {
 namespace KVPAGE_ISA_NS {
 
 const KernelTable& kernels() {
+#if defined(KVPAGE_BF16_DOT)
   static const KernelTable table{KVPAGE_ISA_NAME, scratch_floats, decode_item, decode_reduce,
                                  prefill_item, rms_norm_row, silu_and_mul_row, greedy_row, rotary_row,
-                                 linear_slabs, pack_linear_slabs};
+                                 linear_slabs, pack_linear_slabs, linear_slabs_bf16_pairs, round_rows_to_bf16};
+#else
+  static const KernelTable table{KVPAGE_ISA_NAME, scratch_floats, decode_item, decode_reduce,
+                                 prefill_item, rms_norm_row, silu_and_mul_row, greedy_row, rotary_row,
+                                 linear_slabs, pack_linear_slabs, nullptr, nullptr};
+#endif
   return table;
 }
 

@@ -18,6 +18,9 @@ namespace cpu {
 const KernelTable& active_kernels();
 void set_isa(const std::string& name);
 std::vector<std::string> available_isas();
+// Whether packed_linear can take pair-interleaved bf16 slabs (bf16 dot products): the avx512 kernels
+// are active and the CPU has AVX512-BF16 (linear_ops.cpp).
+bool bf16_dot_available();
 
 // Runs body(item, scratch) for item in [0, num_items) on torch's intra-op threads. Items are handed
 // out a few at a time from a shared counter, so sequences of very different lengths still balance

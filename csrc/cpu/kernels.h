@@ -64,6 +64,9 @@ struct LinearArgs {
   float* y;             // [m, n], contiguous
   int64_t m, n, k;
   DType weight_dtype = DType::kFloat;  // kFloat, kBFloat16 or kHalf
+  // bf16 dot products: x rounded to bf16, [m][ceil(k / 2)] pairs; packed is then pair-interleaved bf16
+  // [ceil(n / 48)][ceil(k / 2)][48][2] (linear_slabs_bf16_pairs).
+  const uint32_t* x_pairs = nullptr;
 };
 
 struct KernelTable {
@@ -84,6 +87,9 @@ struct KernelTable {
   void (*linear_slabs)(const LinearArgs& a, int64_t slab_begin, int64_t slab_end);
   void (*pack_linear_slabs)(const float* weight, int64_t n, int64_t k, float* packed, int64_t slab_begin,
                             int64_t slab_end);
+  // bf16 dot products (AVX-512 builds; null elsewhere, and usable only where the CPU has AVX512-BF16).
+  void (*linear_slabs_bf16_pairs)(const LinearArgs& a, int64_t slab_begin, int64_t slab_end);
+  void (*round_rows_to_bf16)(const float* x, int64_t rows, int64_t k, uint16_t* out);
 };
 
 const KernelTable& generic_kernels();

@@ -35,11 +35,34 @@ DType check_packed(const at::Tensor& packed) {
   return t == at::kFloat ? DType::kFloat : t == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
 }
 
+// Pair-interleaved bf16 slabs [slabs, ceil(k / 2), 48, 2] for bf16 dot products (gemm_impl.h).
+bool is_pair_layout(const at::Tensor& packed) { return packed.dim() == 4; }
+
+void pack_bf16_pairs(at::Tensor& packed, const at::Tensor& weight) {
+  const int64_t n = weight.size(0), k = weight.size(1), slabs = num_slabs(n), pairs = (k + 1) / 2;
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kBFloat16 && packed.size(0) == slabs && packed.size(1) == pairs &&
+                        packed.size(2) == kSlabColumns && packed.size(3) == 2,
+                    "packed must be a bfloat16 [", slabs, ", ", pairs, ", ", kSlabColumns, ", 2] tensor for bf16 dot"
+                    " products, got ", packed.scalar_type(), " ", packed.sizes());
+  at::Tensor padded = at::zeros({slabs * kSlabColumns, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  packed.copy_(padded.view({slabs, kSlabColumns, pairs, 2}).permute({0, 2, 1, 3}));  // rounds to nearest even
+}
+
 }  // namespace
+
+bool bf16_dot_available() {
+  return active_kernels().linear_slabs_bf16_pairs != nullptr && __builtin_cpu_supports("avx512bf16");
+}
 
 void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight) {
   check_float_cpu(weight, "weight");
   const DType weight_dtype = check_packed(packed);
+  if (is_pair_layout(packed)) {
+    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
+                      "weight must be a non-empty [out_features, in_features] matrix, got shape ", weight.sizes());
+    return pack_bf16_pairs(packed, weight);
+  }
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
                     "weight must be a non-empty [out_features, in_features] matrix, got shape ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -61,12 +84,24 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
   check_float_cpu(input, "input");
   const DType weight_dtype = check_packed(packed);
   check_float_cpu(out, "out");
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kSlabColumns,
-                    "packed must be [slabs, in_features, ", kSlabColumns, "] from pack_linear_weight, got shape ",
-                    packed.sizes());
-  const int64_t k = packed.size(1);
-  TORCH_CHECK_VALUE(input.dim() == 2 && input.size(1) == k, "input must be [rows, ", k,
-                    "] (in_features of packed), got shape ", input.sizes());
+  const bool pairs = is_pair_layout(packed);
+  if (pairs) {
+    TORCH_CHECK_VALUE(packed.scalar_type() == at::kBFloat16 && packed.size(2) == kSlabColumns && packed.size(3) == 2,
+                      "packed must be a bfloat16 [slabs, in_features / 2, ", kSlabColumns, ", 2] tensor for bf16 dot"
+                      " products, got ", packed.scalar_type(), " ", packed.sizes());
+    TORCH_CHECK_VALUE(input.dim() == 2 && (input.size(1) + 1) / 2 == packed.size(1), "input must be [rows, ",
+                      2 * packed.size(1) - 1, " or ", 2 * packed.size(1), "] (in_features of packed), got shape ",
+                      input.sizes());
+    TORCH_CHECK_VALUE(bf16_dot_available(), "packed: bf16 dot-product slabs need a CPU with AVX512-BF16 (and the"
+                      " avx512 kernels active)");
+  } else {
+    TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kSlabColumns,
+                      "packed must be [slabs, in_features, ", kSlabColumns, "] from pack_linear_weight, got shape ",
+                      packed.sizes());
+    TORCH_CHECK_VALUE(input.dim() == 2 && input.size(1) == packed.size(1), "input must be [rows, ", packed.size(1),
+                      "] (in_features of packed), got shape ", input.sizes());
+  }
+  const int64_t k = input.size(1);
   const int64_t m = input.size(0);
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == m && num_slabs(out.size(1)) == packed.size(0),
                     "out must be [", m, ", out_features] with ", packed.size(0), " slabs of ", kSlabColumns,
@@ -80,7 +115,19 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
   if (m == 0) return;
   LinearArgs a{input.data_ptr<float>(), packed.data_ptr(),
                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k, weight_dtype};
-  const auto slabs = active_kernels().linear_slabs;
+  const KernelTable& kernels = active_kernels();
+  auto slabs = kernels.linear_slabs;
+  at::Tensor x_bf16;  // bf16 dot products: the input rounded once per call, not once per slab
+  const int64_t pair_count = (k + 1) / 2;
+  if (pairs) {
+    x_bf16 = at::empty({m, 2 * pair_count}, input.options().dtype(at::kBFloat16));
+    uint16_t* rounded = reinterpret_cast<uint16_t*>(x_bf16.data_ptr());
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      kernels.round_rows_to_bf16(a.x + begin * k, end - begin, k, rounded + begin * 2 * pair_count);
+    });
+    a.x_pairs = reinterpret_cast<const uint32_t*>(rounded);
+    slabs = kernels.linear_slabs_bf16_pairs;
+  }
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) {
     int64_t row = 0;
@@ -88,6 +135,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
       const int64_t rows = (m - row) / (blocks - b);
       LinearArgs block = a;
       block.x += row * k;
+      if (pairs) block.x_pairs += row * pair_count;
       block.y += row * n;
       block.m = rows;
       slabs(block, begin, end);

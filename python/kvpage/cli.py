@@ -29,7 +29,7 @@ def _params(args):
 def _llm(args):
     import kvpage
     return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
-                      weight_dtype=args.weight_dtype)
+                      weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
 
 
 def cmd_generate(args) -> None:
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
                        help="bfloat16 / float16: the weights rounded to and stored in 16 bits, computed in"
                        " float32 (CPU, float32 model): half the bytes a decode step streams")
+        p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
+                       help="medium: the linear layers compute with bf16 dot products where the CPU has"
+                       " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
         p.add_argument("--max-tokens", type=int, default=64 if name != "chat" else 256)
         p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
         p.add_argument("--top-p", type=float, default=1.0)

@@ -170,21 +170,33 @@ def test_8_kv_heads_fp8_cache(tiny):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_8_kv_heads_16bit_weights():
-    """weight_dtype="bfloat16" reaches every rank: each rounds its shard of a freshly built model and packs
-    its linears in 16 bits; greedy tokens follow TP=1's, and differ from the unrounded model's logits."""
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_8_kv_heads_16bit_weights(precision):
+    """weight_dtype="bfloat16" (and matmul_precision) reach every rank: each rounds its shard of a freshly
+    built model and packs its linears in 16 bits (bf16 dot-product pairs for "medium" where the CPU has
+    them); greedy tokens follow TP=1's (for "medium" up to near-ties: the ranks' partial sums differ)."""
     from kvpage.model import cpu_layout
+    from kvpage.ops.layers import bf16_dot_available
 
     prompts = prefix_sharing_prompts()
-    want = kvpage.LLM(model=tiny_llama(), num_kv_blocks=256, weight_dtype="bfloat16").generate(prompts, GREEDY,
-                                                                                               use_tqdm=False)
-    tp2 = kvpage.LLM(model=tiny_llama(), num_kv_blocks=256, tensor_parallel_size=2, weight_dtype="bfloat16")
+    storage = dict(weight_dtype="bfloat16", matmul_precision=precision)
+    want = kvpage.LLM(model=tiny_llama(), num_kv_blocks=256, **storage).generate(prompts, GREEDY, use_tqdm=False)
+    tp2 = kvpage.LLM(model=tiny_llama(), num_kv_blocks=256, tensor_parallel_size=2, **storage)
     try:
         got = tp2.generate(prompts, GREEDY, use_tqdm=False)
         rank0 = tp2.runner.runner.model
         linears = [m for m in rank0.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(cpu_layout._SLABS[m][0].packed.dtype == torch.bfloat16 for m in linears)
+        pairs = precision == "medium" and bf16_dot_available()
+        assert all(cpu_layout._SLABS[m][0].packed.dim() == (4 if pairs else 3) for m in linears)
         assert all(torch.equal(p, p.bfloat16().float()) for p in rank0.parameters())
     finally:
         tp2.shutdown()
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    if precision == "highest":
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    else:
+        reference = tiny_llama()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.copy_(p.bfloat16().float())
+        assert_same_greedy(reference, prompts, want, got)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpage.ops import reference
-from kvpage.ops.layers import SLAB_COLUMNS, pack_linear_weight, packed_linear
+from kvpage.ops.layers import SLAB_COLUMNS, bf16_dot_available, pack_linear_weight, packed_linear, packed_pairs_shape
 
 
 def _close(actual, expected, k):
@@ -92,6 +92,42 @@ def test_16bit_slabs_round_ties_to_even_and_keep_specials():
     assert torch.equal(out[:, 0], finite[0].to(torch.bfloat16).float())
 
 
+@given(rows=st.integers(1, 40), n=st.integers(1, 130), k=st.integers(1, 200), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_bf16_dot_slabs_compute_over_bf16_rounded_operands(cpu_isa, rows, n, k, bias, seed):
+    """Pair-interleaved bf16 slabs: x and W rounded to bf16, products exact, sums in fp32 (close to the
+    reference over the rounded operands, clearly apart from the fp32 product); refused by name where
+    the CPU or the active ISA has no bf16 dot products."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = pack_linear_weight(w, dtype=torch.bfloat16, bf16_dot=True)
+    assert packed.shape == packed_pairs_shape(n, k) and packed.dtype == torch.bfloat16
+    if not bf16_dot_available():
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            packed_linear(x, packed, n, b)
+        return
+    out = packed_linear(x, packed, n, b)
+    _close(out, reference.linear(x.bfloat16().float(), w.bfloat16().float(), b), k)
+
+
+def test_bf16_dot_pairs_hold_the_rounded_weight_pair_interleaved():
+    w = torch.randn(50, 7)
+    packed = pack_linear_weight(w, bf16_dot=True)  # [2 slabs, 4 pairs, 48, 2]
+    unpacked = packed.float().permute(0, 2, 1, 3).reshape(96, 8)
+    assert torch.equal(unpacked[:50, :7], w.bfloat16().float())
+    assert not unpacked[50:].any() and not unpacked[:, 7:].any()  # padding columns and the odd k's pair
+
+
+def test_bf16_dot_rounding_is_not_the_float32_product():
+    if not bf16_dot_available():
+        return  # test_bf16_dot_slabs_compute_over_bf16_rounded_operands checks the refusal
+    w, x = torch.randn(96, 576), torch.randn(8, 576)
+    out = packed_linear(x, pack_linear_weight(w, bf16_dot=True), 96)
+    assert (out - reference.linear(x, w)).abs().max() > 1e-2
+
+
 def test_zero_rows():
     assert packed_linear(torch.empty(0, 16), pack_linear_weight(torch.randn(5, 16)), 5).shape == (0, 5)
 
@@ -109,6 +145,10 @@ def test_zero_rows():
     (lambda p: pack_linear_weight(torch.randn(40, 16), dtype=torch.float8_e4m3fn), "dtype"),
     (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(1, 16, 48), dtype=torch.bfloat16), "out"),
     (lambda p: pack_linear_weight(torch.randn(40, 16).bfloat16(), dtype=torch.bfloat16), "weight"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), dtype=torch.float16, bf16_dot=True), "dtype"),
+    (lambda p: pack_linear_weight(torch.randn(40, 16), out=torch.empty(1, 8, 48, 2), bf16_dot=True), "out"),
+    (lambda p: packed_linear(torch.randn(3, 17), pack_linear_weight(torch.randn(40, 16), bf16_dot=True), 40),
+     "input"),
     (lambda p: pack_linear_weight(torch.randn(40)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(0, 16)), "weight"),
     (lambda p: pack_linear_weight(torch.randn(4, 16, dtype=torch.float64)), "weight"),

@@ -137,13 +137,15 @@ class TensorParallelExecutor:
         return min(r.free_device_bytes for r in self.reports)
 
     def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                 cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                 matmul_precision: str = "highest") -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
         cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES; weight_dtype: the
-        ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard)."""
+        ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard), as
+        is matmul_precision."""
         own = None if cache_dtype == self.model.dtype else cache_dtype
         h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, own,
-                                     weight_dtype)
+                                     weight_dtype, matmul_precision)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]

@@ -35,12 +35,13 @@ KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY
 HEADER_LEN = len(_SLOTS)
 # An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES, WEIGHT_DTYPE
 # into WEIGHT_DTYPES).
-NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, \
-    SWAP_OUT
+NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE, MATMUL_PRECISION = \
+    NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN
 # The cache dtypes a rank can be asked for: None is the model's own.
 CACHE_DTYPES = (None, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
 # The weight storage a rank can be asked for (ModelRunner's weight_dtype): None keeps the weights as loaded.
 WEIGHT_DTYPES = (None, torch.bfloat16, torch.float16)
+MATMUL_PRECISIONS = ("highest", "medium")  # ModelRunner's matmul_precision, by index
 _INT32_MAX = 2**31 - 1
 
 
@@ -65,9 +66,11 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 
 
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                    cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                    matmul_precision: str = "highest") -> torch.Tensor:
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
-                  num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype))
+                  num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype),
+                  swap_in=MATMUL_PRECISIONS.index(matmul_precision))
 
 
 def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:
@@ -78,6 +81,10 @@ def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:
 def weight_dtype_of(h: torch.Tensor) -> torch.dtype | None:
     """An ALLOCATE header's weight storage dtype (None: the weights as loaded)."""
     return WEIGHT_DTYPES[int(h[WEIGHT_DTYPE])]
+
+
+def matmul_precision_of(h: torch.Tensor) -> str:
+    return MATMUL_PRECISIONS[int(h[MATMUL_PRECISION])]
 
 
 def pack_step(batch, message: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,8 @@ def allocate(model, h: torch.Tensor, group: TPGroup):
     try:
         runner = ModelRunner(model, int(h[protocol.NUM_KV_BLOCKS]), int(h[protocol.BLOCK_SIZE]), model.dtype,
                              int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads,
-                             kv_cache_dtype=protocol.cache_dtype_of(h), weight_dtype=protocol.weight_dtype_of(h))
+                             kv_cache_dtype=protocol.cache_dtype_of(h), weight_dtype=protocol.weight_dtype_of(h),
+                             matmul_precision=protocol.matmul_precision_of(h))
         mine = [_nbytes(runner.kv_caches), _nbytes(runner.host_kv_caches)]
     except (RuntimeError, ValueError, MemoryError):
         traceback.print_exc()

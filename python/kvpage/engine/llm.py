@@ -32,7 +32,8 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
-                 tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> None:
+                 tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
+                 matmul_precision: str = "highest") -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -40,7 +41,10 @@ class LLM:
         weight_dtype: "auto" (the weights as loaded), or "bfloat16" / "float16" for a float32 model on
         CPU: every weight rounded to 16 bits in place (a model object passed in too), the linear layers
         stored in 16 bits and computed in float32, so a small batch's decode step, bound by streaming
-        the weights, reads half the bytes; greedy output is HF generate's on the rounded weights."""
+        the weights, reads half the bytes; greedy output is HF generate's on the rounded weights.
+        matmul_precision: "highest" (float32 arithmetic) or "medium" (torch's name: the linear layers
+        may compute in bf16: weights and inputs rounded to bf16, bf16 dot products with float32 sums,
+        twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical)."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
@@ -57,12 +61,15 @@ class LLM:
         tokenizer = resolve_tokenizer(tokenizer)
         from kvpage.model import (ModelRunner, kv_cache_dtype_from_name, load_model,  # torch: when an LLM is built
                                   weight_dtype_from_name)
-        from kvpage.model.runner import check_cache_dtype, check_weight_dtype
+        from kvpage.model.runner import MATMUL_PRECISIONS, check_cache_dtype, check_matmul_precision, check_weight_dtype
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
         weight_storage = weight_dtype_from_name(weight_dtype)
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
         self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
         check_weight_dtype(weight_storage, self.model.dtype, next(self.model.parameters()).device)
+        check_matmul_precision(matmul_precision, self.model.dtype, next(self.model.parameters()).device)
         self.kv_cache_dtype = cache_dtype or self.model.dtype
         check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
@@ -74,7 +81,7 @@ class LLM:
         if tensor_parallel_size > 1:
             # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
             self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib,
-                                                      weight_storage)
+                                                      weight_storage, matmul_precision)
             self.model = self.runner.model
             num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
         else:
@@ -82,7 +89,8 @@ class LLM:
             num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
             self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
-                                      kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage)
+                                      kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage,
+                                      matmul_precision=matmul_precision)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
@@ -123,7 +131,7 @@ class LLM:
         return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype)
 
     def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
-                               swap_gib: float, weight_dtype=None):
+                               swap_gib: float, weight_dtype=None, matmul_precision: str = "highest"):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
         and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
         as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
@@ -137,7 +145,7 @@ class LLM:
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
-                              weight_dtype)
+                              weight_dtype, matmul_precision)
         except BaseException:
             executor.shutdown()
             raise

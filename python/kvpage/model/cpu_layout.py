@@ -23,6 +23,7 @@ their weights, so state_dict, tied embeddings and everything else see no change.
 """
 from __future__ import annotations
 
+import math
 import types
 import weakref
 from dataclasses import dataclass
@@ -126,16 +127,18 @@ def _fusable_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return groups + singles
 
 
-def _pack_slabs(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def _pack_slabs(model: torch.nn.Module, dtype: torch.dtype, bf16_dot: bool) -> int:
     groups = _fusable_groups(model)
     if not groups:
         return 0
-    arena = SlabArena([(sum(m.out_features for m in members), members[0].in_features) for members in groups], dtype)
+    dtype = torch.bfloat16 if bf16_dot else dtype
+    sizes = [(sum(m.out_features for m in members), members[0].in_features) for members in groups]
+    arena = SlabArena(sizes, dtype, bf16_dot)
     changed = 0
     for i, members in enumerate(groups):
         weight = torch.cat([m.weight.detach() for m in members]) if len(members) > 1 else members[0].weight.detach()
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        packed = layers.pack_linear_weight(weight, out=arena.view(i), dtype=dtype)
+        packed = layers.pack_linear_weight(weight, out=arena.view(i), dtype=dtype, bf16_dot=bf16_dot)
         fused = _Fused(packed, bias, weight.shape[0], len(members))
         start = 0
         for m in members:
@@ -153,12 +156,14 @@ class SlabArena:
     1-16 rows, level from 32, where the GEMM is compute-bound). One buffer also gives the small
     matrices (576 x 576: 1.3 MiB) huge pages."""
 
-    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype = torch.float32) -> None:
-        """sizes: (out_features, in_features) of each packed matrix; dtype: what the slabs store."""
-        self.shapes = [layers.packed_linear_shape(n, k) for n, k in sizes]
+    def __init__(self, sizes: list[tuple[int, int]], dtype: torch.dtype = torch.float32, bf16_dot: bool = False) -> None:
+        """sizes: (out_features, in_features) of each packed matrix; dtype: what the slabs store;
+        bf16_dot: pair-interleaved bf16 slabs (layers.pack_linear_weight's bf16_dot)."""
+        shape_of = layers.packed_pairs_shape if bf16_dot else layers.packed_linear_shape
+        self.shapes = [shape_of(n, k) for n, k in sizes]
         self.offsets = [0]
-        for slabs, k, c in self.shapes:
-            self.offsets.append(self.offsets[-1] + slabs * k * c)
+        for shape in self.shapes:
+            self.offsets.append(self.offsets[-1] + math.prod(shape))
         self.buffer = huge_page_empty(self.offsets[-1] * dtype.itemsize).view(dtype)
 
     def view(self, i: int) -> torch.Tensor:
@@ -176,13 +181,15 @@ def _pack_mkl(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def prepack_linear_weights(model: torch.nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
+def prepack_linear_weights(model: torch.nn.Module, weight_dtype: torch.dtype = torch.float32,
+                           bf16_dot: bool = False) -> int:
     """Give every fp32 CPU nn.Linear of `model` a packed weight its forward multiplies with (kvpage's
     slabs on AVX-512 and AVX2 CPUs, else MKL's); returns how many changed (0 where neither is available).
     weight_dtype: what the slabs store (float32, or bfloat16 / float16 for weights that are already
-    representable in it: see round_weights); MKL's packing keeps float32."""
+    representable in it: see round_weights); MKL's packing keeps float32. bf16_dot: bf16 dot-product
+    slabs (weights and inputs rounded to bf16, fp32 sums), where layers.bf16_dot_available()."""
     if slab_kernel_available():
-        return _pack_slabs(model, weight_dtype)
+        return _pack_slabs(model, weight_dtype, bf16_dot and layers.bf16_dot_available())
     return _pack_mkl(model) if mkl_packing_available() else 0
 
 

@@ -90,6 +90,21 @@ def check_weight_dtype(weight_dtype: torch.dtype | None, dtype: torch.dtype, dev
                          f" compute); got a {dtype} model on {device.type}")
 
 
+# matmul_precision, in torch.set_float32_matmul_precision's names: "highest" multiplies in float32;
+# "medium" lets the linear layers compute with bf16 dot products (weights and inputs rounded to bf16,
+# sums in float32; twice the FMA rate), where the CPU has AVX512-BF16, and in float32 elsewhere (as
+# torch's "medium" permits bf16, not requires it). Not token-identical to float32.
+MATMUL_PRECISIONS = ("highest", "medium")
+
+
+def check_matmul_precision(precision, dtype: torch.dtype, device: torch.device) -> None:
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    if precision == "medium" and (dtype != torch.float32 or device.type != "cpu"):
+        raise ValueError(f"matmul_precision 'medium' needs a float32 model on CPU; got a {dtype} model on"
+                         f" {device.type}")
+
+
 def check_cache_dtype(cache_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
     """A cache dtype the kernels pair with compute in `dtype` on `device`, or ValueError."""
     narrowed = dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
@@ -126,21 +141,28 @@ class ModelRunner:
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
                  num_host_blocks: int = 0, num_kv_heads: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                 matmul_precision: str = "highest") -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
         model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
         CPU (see KV_CACHE_DTYPES). weight_dtype: None, or bfloat16 / float16 for a float32 model on CPU:
-        its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES)."""
+        its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES).
+        matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS)."""
         config = model.config
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
         check_cache_dtype(self.cache_dtype, self.dtype, next(model.parameters()).device)
         check_weight_dtype(weight_dtype, self.dtype, next(model.parameters()).device)
+        check_matmul_precision(matmul_precision, self.dtype, next(model.parameters()).device)
         if weight_dtype is not None and has_packed_weights(model):
             raise ValueError(f"weight_dtype {weight_dtype}: this model's linears were already packed by another"
                              f" kvpage runner, from its unrounded weights; pass a freshly loaded model")
+        if matmul_precision != "highest" and has_packed_weights(model):
+            raise ValueError(f"matmul_precision {matmul_precision!r}: this model's linears were already packed by"
+                             f" another kvpage runner; pass a freshly loaded model")
         self.weight_dtype = weight_dtype or self.dtype
+        self.matmul_precision = matmul_precision
         validate_config(config, self.dtype)
         if model.dtype != self.dtype:
             # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
@@ -156,7 +178,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             if weight_dtype is not None:
                 round_weights(model, weight_dtype)
-            prepack_linear_weights(model, weight_dtype or torch.float32)
+            prepack_linear_weights(model, weight_dtype or torch.float32, bf16_dot=matmul_precision == "medium")
             fuse_small_layers(model)
             self._rotary = RotarySwap(model)
             install_fast_decoder_layers(model)

@@ -101,25 +101,40 @@ def packed_linear_shape(out_features: int, in_features: int) -> tuple[int, int, 
     return -(-out_features // SLAB_COLUMNS), in_features, SLAB_COLUMNS
 
 
+def packed_pairs_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
+    """The pair-interleaved bf16 layout for bf16 dot products: [ceil(out / 48), ceil(in / 2), 48, 2]."""
+    return -(-out_features // SLAB_COLUMNS), -(-in_features // 2), SLAB_COLUMNS, 2
+
+
+def bf16_dot_available() -> bool:
+    """Whether packed_linear can compute in bf16 dot products here (AVX512-BF16, avx512 kernels active)."""
+    return _C.bf16_dot_available()
+
+
 # What a packed weight may be stored as: fp32, or 16 bits that the kernel widens to fp32 as it loads them.
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None,
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
+                       dtype: torch.dtype | None = None, bf16_dot: bool = False) -> torch.Tensor:
     """A linear layer's weight [out_features, in_features] (fp32, CPU) packed into the column slabs
     [ceil(out / 48), in, 48] that packed_linear streams; a copy, the weight itself is untouched.
     dtype: what the slabs store, float32 (the default) or bfloat16 / float16: each element is then
     weight.to(dtype) (round to nearest even), half the bytes to stream, and packed_linear computes in
-    fp32 exactly as over fp32 slabs of those rounded weights. out: a contiguous tensor of that shape
-    and dtype to pack into (say, a view of one buffer holding a whole model's packed weights)."""
+    fp32 exactly as over fp32 slabs of those rounded weights. bf16_dot: instead, bf16 slabs interleaved
+    in pairs of input features (packed_pairs_shape), for which packed_linear rounds its input to bf16
+    too and multiplies with bf16 dot products (fp32 sums; twice the fp32 FMA rate; where
+    bf16_dot_available()). out: a contiguous tensor of that shape and dtype to pack into (say, a view
+    of one buffer holding a whole model's packed weights)."""
     _checks.require_tensor(weight, "weight")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    dtype = torch.float32 if dtype is None else dtype
+    if bf16_dot and dtype not in (None, torch.bfloat16):
+        raise ValueError(f"dtype must be bfloat16 (or None) with bf16_dot, got {dtype!r}")
+    dtype = (torch.bfloat16 if bf16_dot else torch.float32) if dtype is None else dtype
     if dtype not in PACKED_DTYPES:
         raise ValueError(f"dtype must be one of {PACKED_DTYPES}, got {dtype!r}")
-    shape = packed_linear_shape(*weight.shape)
+    shape = packed_pairs_shape(*weight.shape) if bf16_dot else packed_linear_shape(*weight.shape)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=weight.device)
     else:
