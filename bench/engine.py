@@ -175,6 +175,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--bf16", action="store_true",
                         help="weights and KV cache in bfloat16: kvpage's weight_dtype and kv_cache_dtype"
                              " 'bfloat16' (float32 compute) against vLLM's dtype='bfloat16'")
+    parser.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
+                        help="kvpage's matmul_precision (medium: bf16 dot products in the linears where the CPU"
+                             " has AVX512-BF16; with --bf16, vLLM's bf16 arithmetic's counterpart)")
     args = parser.parse_args(argv)
     if args.bf16 and args.kv_cache_dtype != "auto":
         parser.error("--bf16 sets the KV cache dtype itself")
@@ -186,24 +189,25 @@ def main(argv=None) -> dict:
     res = {"rounds": rounds}
     with_vllm = args.vllm and not args.no_peers
     for caching in ((True, False) if args.vllm else (True,)):
-        res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype, args.bf16))
+        res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype, args.bf16,
+                           args.matmul_precision))
         gc.collect()
     if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model()
         for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
             res[name] = _run_peer(fn, hf, tok, workload)
-    res["bf16"] = args.bf16
+    res["bf16"], res["matmul_precision"] = args.bf16, args.matmul_precision
     return report(res, workload, args.quick)
 
 
 def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache_dtype: str = "auto",
-            bf16: bool = False) -> dict:
+            bf16: bool = False, matmul_precision: str = "highest") -> dict:
     """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round (kvpage's KV cache
     in kv_cache_dtype; vLLM's stays in the model's dtype). bf16: both store weights and K/V in bfloat16
-    (vLLM computes in it too, kvpage in float32)."""
+    (vLLM computes in it too, kvpage in float32 unless matmul_precision is "medium")."""
     name, peer_name = ("kvpage", "vllm") if caching else ("kvpage_no_prefix_cache", "vllm_no_prefix_cache")
     storage = dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16") if bf16 else dict(kv_cache_dtype=kv_cache_dtype)
-    llm = kvpage.LLM(enable_prefix_caching=caching, **storage)
+    llm = kvpage.LLM(enable_prefix_caching=caching, matmul_precision=matmul_precision, **storage)
     run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
     peer, peer_error = None, None
     if with_vllm:
@@ -325,7 +329,8 @@ def report(res: dict, workload, quick: bool) -> dict:
     print(f"prefix-cache hit rate {kv['prefix_cache_hit_rate']:.0%}, preemptions {kv['num_preemptions']},"
           f" peak KV blocks {kv['max_kv_blocks_used']}/{kv['num_kv_blocks']};"
           f" matmul {roof['matmul_gflop_s']:.0f} GFLOP/s")
-    name = ("engine_quick" if quick else "engine") + ("_bf16" if res.get("bf16") else "")
+    name = ("engine_quick" if quick else "engine") + ("_bf16" if res.get("bf16") else "") + \
+        ("_medium" if res.get("matmul_precision") == "medium" else "")
     payload = {"workload": {"num_requests": len(workload.prompts), "output_tokens": workload.num_output_tokens,
                             "seed": 0}, "machine": machine_info(), **res}
     write_json(name, payload)

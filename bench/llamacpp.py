@@ -16,8 +16,8 @@ over minutes); every round and npl has its own prompt, so nothing carries over i
 
     bash bench/peers/setup_llamacpp.sh   # once: builds llama.cpp (~20 min on 2 cores), F32 + BF16 models
     python bench/llamacpp.py             # npl 32, 48, 64; pp 128; tg 128; 3 rounds
-    python bench/llamacpp.py --weight-dtype bfloat16 --npl 1,4,16,64
-                                         # kvpage's 16-bit weights vs llama.cpp's BF16 model
+    python bench/llamacpp.py --weight-dtype bfloat16 --npl 1,4,16,64 [--matmul-precision medium]
+                                         # kvpage's 16-bit weights (and bf16 dot products) vs llama.cpp BF16
 """
 from __future__ import annotations
 
@@ -59,12 +59,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--weight-dtype", choices=("auto", "bfloat16"), default="auto",
                         help="bfloat16: kvpage's weight_dtype='bfloat16' (16-bit weights, fp32 compute)"
                         " against llama.cpp's BF16 model")
+    parser.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
+                        help="kvpage's matmul_precision (medium: bf16 dot products, as llama.cpp's BF16 model)")
     args = parser.parse_args(argv)
     npls = [int(x) for x in args.npl.split(",") if x]
     torch.set_num_threads(args.threads)
     weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
 
-    llm = kvpage.LLM(weight_dtype=args.weight_dtype)
+    llm = kvpage.LLM(weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
     run_ours(llm, args.pp, args.tg, max(npls), seed=10_000)  # warm-up: same shapes, other tokens
     ours = {n: [] for n in npls}
     theirs = {n: [] for n in npls}
@@ -103,14 +105,17 @@ def report(args, npls, ours, theirs) -> dict:
                      "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
                      + ", ".join(f"{x:.2f}" for x in ratios) + ")"})
     weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
-    print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, kvpage weight_dtype={args.weight_dtype},"
+    print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, kvpage weight_dtype={args.weight_dtype}"
+          f" matmul_precision={args.matmul_precision},"
           f" model {model_file(weight_type).name} for llama.cpp")
     print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp layout", "llama.cpp S_TG",
                        "kvpage/llama.cpp"])
     payload = {"pp": args.pp, "tg": args.tg, "threads": args.threads, "rounds": args.rounds,
-               "weight_dtype": args.weight_dtype,
+               "weight_dtype": args.weight_dtype, "matmul_precision": args.matmul_precision,
                "machine": machine_info(), "results": results}
-    write_json("llamacpp" if args.weight_dtype == "auto" else f"llamacpp_{args.weight_dtype}", payload)
+    suffix = ("" if args.weight_dtype == "auto" else f"_{args.weight_dtype}") + \
+        ("_medium" if args.matmul_precision == "medium" else "")
+    write_json(f"llamacpp{suffix}", payload)
     return payload
 
 

@@ -120,12 +120,16 @@ def test_bf16_dot_pairs_hold_the_rounded_weight_pair_interleaved():
     assert not unpacked[50:].any() and not unpacked[:, 7:].any()  # padding columns and the odd k's pair
 
 
-def test_bf16_dot_rounding_is_not_the_float32_product():
+def test_bf16_dot_rounding_is_not_the_float32_product_and_rows_are_batch_independent():
     if not bf16_dot_available():
         return  # test_bf16_dot_slabs_compute_over_bf16_rounded_operands checks the refusal
-    w, x = torch.randn(96, 576), torch.randn(8, 576)
-    out = packed_linear(x, pack_linear_weight(w, bf16_dot=True), 96)
-    assert (out - reference.linear(x, w)).abs().max() > 1e-2
+    w, x = torch.randn(100, 577), torch.randn(300, 577)  # odd k: a zero-padded last pair; 3 row blocks
+    packed = pack_linear_weight(w, bf16_dot=True)
+    whole = packed_linear(x, packed, 100)
+    assert (whole - reference.linear(x, w)).abs().max() > 1e-2
+    _close(whole, reference.linear(x.bfloat16().float(), w.bfloat16().float()), 577)
+    for start, stop in ((0, 1), (5, 9), (127, 131), (200, 300)):
+        assert torch.equal(packed_linear(x[start:stop], packed, 100), whole[start:stop])
 
 
 def test_zero_rows():
