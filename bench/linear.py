@@ -1,7 +1,8 @@
 """The linear layers of one decode step, three ways: nn.Linear (sgemm), MKL's packed sgemm, kvpage's
 slab kernel with q/k/v and gate/up fused (kvpage.model.cpu_layout's two packings), each matrix on its own
 (4 KiB pages) and all of them in one buffer on huge pages, as the engine packs them; and that buffer in
-bf16 (LLM(weight_dtype="bfloat16"): half the bytes, fp32 arithmetic).
+bf16 (LLM(weight_dtype="bfloat16"): half the bytes, fp32 arithmetic) and, where the CPU has AVX512-BF16,
+in bf16 pairs for bf16 dot products (matmul_precision="medium").
 
 All 30 layers of SmolLM2-135M's shapes plus its vocab projection, random weights, each matrix used
 once per pass so the weights come from memory as in the engine (a step streams ~540 MB of fp32
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from kvpage import ops  # noqa: E402
 from kvpage.model import cpu_layout  # noqa: E402
-from kvpage.ops.layers import pack_linear_weight, packed_linear  # noqa: E402
+from kvpage.ops.layers import bf16_dot_available, pack_linear_weight, packed_linear  # noqa: E402
 
 LAYERS, HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB = 30, 576, 1536, 192, 49152
 # (out, in) per layer as HF holds them, and as the slab packing fuses them.
@@ -74,6 +75,11 @@ def main():
                   for i, w in enumerate(fused)]
     systems["kvpage slabs, bf16 weights"] = [(p.shape[1], lambda x, n=n, p=p: packed_linear(x, p, n))
                                              for n, p in in_arena16]
+    if bf16_dot_available():  # matmul_precision="medium": bf16 dot products (inputs rounded to bf16 too)
+        pairs = cpu_layout.SlabArena([tuple(w.shape) for w in fused], torch.bfloat16, bf16_dot=True)
+        in_pairs = [(w.shape[0], w.shape[1], pack_linear_weight(w, out=pairs.view(i), bf16_dot=True))
+                    for i, w in enumerate(fused)]
+        systems["kvpage slabs, bf16 dot"] = [(k, lambda x, n=n, p=p: packed_linear(x, p, n)) for n, k, p in in_pairs]
     flops_per_row = 2 * sum(n * k for n, k in FUSED) * LAYERS + 2 * VOCAB * HIDDEN
     rows_out = []
     for rows in args.rows:
