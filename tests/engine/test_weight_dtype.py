@@ -11,7 +11,7 @@ import torch
 
 import kvpage
 from kvpage.model import cpu_layout
-from kvpage.model.runner import check_weight_dtype
+from kvpage.model.runner import check_matmul_precision, check_weight_dtype
 from engine_helpers import GREEDY, PROMPTS, assert_greedy_matches, hf_generate, make_llm
 
 STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +81,10 @@ def test_greedy_matches_hf_on_the_rounded_weights(rounded, config):
 def test_bad_weight_dtype_names_the_argument(llm):
     with pytest.raises(ValueError, match="weight_dtype"):
         kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, weight_dtype="int8")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, matmul_precision="low")
+    with pytest.raises(ValueError, match="matmul_precision"):  # packed already, as plain fp32 slabs
+        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, num_kv_blocks=64, matmul_precision="medium")
     before = [p.clone() for p in llm.model.parameters()]
     with pytest.raises(ValueError, match="weight_dtype"):  # its linears are packed already, unrounded
         kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, num_kv_blocks=64, weight_dtype="bfloat16")
@@ -95,6 +99,13 @@ def test_bad_weight_dtype_names_the_argument(llm):
 def test_unsupported_pairings_name_weight_dtype(weight_dtype, dtype, device):
     with pytest.raises(ValueError, match="weight_dtype"):
         check_weight_dtype(weight_dtype, dtype, torch.device(device))
+
+
+@pytest.mark.parametrize("dtype,device", [(torch.bfloat16, "cpu"), (torch.float32, "cuda")])
+def test_medium_precision_needs_a_float32_model_on_cpu(dtype, device):
+    with pytest.raises(ValueError, match="matmul_precision"):
+        check_matmul_precision("medium", dtype, torch.device(device))
+    check_matmul_precision("highest", dtype, torch.device(device))
 
 
 def test_float16_refuses_weights_beyond_its_range():
