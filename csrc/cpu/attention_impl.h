@@ -111,6 +111,8 @@ struct KVSource {
   }
 };
 
+#include "attention_prefetch.h"
+
 // Rows r see tokens at positions <= first_pos + r / group (causal); decode passes group = rows.
 struct RowSet {
   int64_t rows, group, first_pos;
@@ -163,8 +165,9 @@ struct RowScores {
 // Attends every row to tokens [begin, end) of one KV head, a chunk at a time, with scores laid out
 // by Layout. begin is block aligned. kD is the head size when it is one of the common ones (0:
 // a.head_size), so the inlined microkernels unroll fully and keep their accumulators in registers.
+// Decode streams its tiles through pf; prefill (pf inactive) prefetches the next tile as it goes.
 template <int kD, typename Layout>
-void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s, TilePrefetcher& pf) {
   const AttentionArgs& a = kv.a;
   const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
   const int64_t rp = round_up_rows(rs.rows);  // the wide layout's softmax runs over padded rows too
@@ -175,36 +178,41 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
     const int64_t n = imin(chunk, end - c0);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
-      if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
-      kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
+      if (!pf.active()) {
+        if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
+        kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
+      }
       const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
+      pf.consumed();
       Layout::scores(rs, d, chunk, k, t0, nb, pos0, s);
     }
     Layout::softmax(rs, d, chunk, n, s);
     const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0);
-      if (t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
+      if (!pf.active() && t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
         kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
       const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
+      pf.consumed();
       Layout::values(rs, d, chunk, v, t0, nb, s);
     }
   }
 }
 
 template <int kD>
-void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s,
+                 TilePrefetcher& pf) {
 #if defined(KVPAGE_WIDE_ATTENTION)
-  if (rs.rows >= kWideRows) return attend_d<kD, WideScores>(kv, rs, begin, end, s);
+  if (rs.rows >= kWideRows) return attend_d<kD, WideScores>(kv, rs, begin, end, s, pf);
 #endif
-  attend_d<kD, RowScores>(kv, rs, begin, end, s);
+  attend_d<kD, RowScores>(kv, rs, begin, end, s, pf);
 }
 
-void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s) {
+void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s, TilePrefetcher& pf) {
   switch (kv.a.head_size) {
-    case 64: return attend_rows<64>(kv, rs, begin, end, s);
-    case 128: return attend_rows<128>(kv, rs, begin, end, s);
-    default: return attend_rows<0>(kv, rs, begin, end, s);
+    case 64: return attend_rows<64>(kv, rs, begin, end, s, pf);
+    case 128: return attend_rows<128>(kv, rs, begin, end, s, pf);
+    default: return attend_rows<0>(kv, rs, begin, end, s, pf);
   }
 }
 
@@ -232,18 +240,48 @@ void store_normalised(const AttentionArgs& a, int64_t token, int64_t head, const
   store_from_float(a.dtype, tmp, static_cast<char*>(a.out) + elem * element_size(a.dtype), d);
 }
 
-void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head,
+// Tokens [begin, end) of sequence seq: partition `part`'s share.
+struct PartRange {
+  int64_t seq, begin, end;
+};
+
+PartRange part_range(const AttentionArgs& a, const DecodePlan& p, int64_t part) {
+  const int64_t seq = p.part_seq[part];
+  const int64_t begin = (part - p.part_offset[seq]) * p.partition_size;
+  return {seq, begin, imin(a.seq_lens[seq], begin + p.partition_size)};
+}
+
+// The tiles decode item (part, kv_head) reads; none past the last item.
+ItemTiles item_tiles(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head) {
+  ItemTiles t;
+  if (part >= p.part_offset[a.num_seqs]) return t;
+  const PartRange r = part_range(a, p, part);
+  const int64_t bs = a.block_size;
+  t.a = &a;
+  t.table = a.block_tables + r.seq * a.max_blocks_per_seq;
+  t.kv_head = kv_head;
+  t.first_block = r.begin / bs;
+  t.num_blocks = (r.end - r.begin + bs - 1) / bs;
+  t.blocks_per_chunk = chunk_tokens(a) / bs;
+  return t;
+}
+
+// follows: this thread's previous item was the one just before this (see TilePrefetcher).
+void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, bool follows,
                  float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_size;
-  const int64_t seq = p.part_seq[part];
+  const PartRange r = part_range(a, p, part);
+  const int64_t seq = r.seq, begin = r.begin, end = r.end, seq_len = a.seq_lens[seq];
   const int64_t num_parts = p.part_offset[seq + 1] - p.part_offset[seq];
-  const int64_t seq_len = a.seq_lens[seq];
-  const int64_t begin = (part - p.part_offset[seq]) * p.partition_size;
-  const int64_t end = imin(seq_len, begin + p.partition_size);
   Scratch s = carve(a, group, scratch);
   load_query(a, seq, kv_head * group, group, 0, s);
   const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
-  attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s);
+  // The next item in parallel_items' order, which this thread most likely runs next.
+  const bool last_head = kv_head + 1 == a.num_kv_heads;
+  const ItemTiles next = item_tiles(a, p, last_head ? part + 1 : part, last_head ? 0 : kv_head + 1);
+  const int64_t lines_per_tile = (a.block_size * d * element_size(a.cache_dtype) + 63) / 64;
+  TilePrefetcher pf(item_tiles(a, p, part, kv_head), next, lines_per_tile, follows);
+  attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s, pf);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = kv_head * group + g;
     if (num_parts == 1) {
@@ -291,7 +329,8 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
   const RowSet rows{ntok * group, group, context + (tok0 - q_start)};
   const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
-  attend(kv, rows, 0, rows.limit(rows.rows - 1) + 1, s);
+  TilePrefetcher none;
+  attend(kv, rows, 0, rows.limit(rows.rows - 1) + 1, s, none);
   for (int64_t r = 0; r < rows.rows; ++r)
     store_normalised(a, tok0 + r / group, kv_head * group + r % group, s.acc + r * d, s.l[r], s.kbuf);
 }

@@ -73,7 +73,8 @@ struct KernelTable {
   const char* isa;
   // Floats of per-thread scratch the attention kernels need.
   int64_t (*scratch_floats)(const AttentionArgs& a, int64_t rows);
-  void (*decode_item)(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head,
+  // follows: the calling thread's previous item was item - 1 (its prefetches ran into this one).
+  void (*decode_item)(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, bool follows,
                       float* scratch);
   void (*decode_reduce)(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int64_t head);
   void (*prefill_item)(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
