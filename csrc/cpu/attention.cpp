@@ -120,8 +120,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const KernelTable& k = active_kernels();
   const int64_t group = a.num_heads / a.num_kv_heads;
   parallel_items(num_parts * a.num_kv_heads, k.scratch_floats(a, group), [&](int64_t i, float* scratch,
-                                                                             bool follows) {
-    k.decode_item(a, plan, i / a.num_kv_heads, i % a.num_kv_heads, follows, scratch);
+                                                                             RunPosition run) {
+    k.decode_item(a, plan, i / a.num_kv_heads, i % a.num_kv_heads, run, scratch);
   });
   if (!partitioned) return;
   at::parallel_for(0, a.num_seqs * a.num_heads, 16, [&](int64_t begin, int64_t end) {

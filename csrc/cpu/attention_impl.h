@@ -266,8 +266,7 @@ ItemTiles item_tiles(const AttentionArgs& a, const DecodePlan& p, int64_t part, 
   return t;
 }
 
-// follows: this thread's previous item was the one just before this (see TilePrefetcher).
-void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, bool follows,
+void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, RunPosition run,
                  float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_size;
   const PartRange r = part_range(a, p, part);
@@ -276,11 +275,12 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
   Scratch s = carve(a, group, scratch);
   load_query(a, seq, kv_head * group, group, 0, s);
   const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
-  // The next item in parallel_items' order, which this thread most likely runs next.
+  // The next item, when this thread runs it: prefetching another core's tiles only costs this one.
   const bool last_head = kv_head + 1 == a.num_kv_heads;
-  const ItemTiles next = item_tiles(a, p, last_head ? part + 1 : part, last_head ? 0 : kv_head + 1);
+  const ItemTiles next = run.before_next ? item_tiles(a, p, last_head ? part + 1 : part, last_head ? 0 : kv_head + 1)
+                                         : ItemTiles{};
   const int64_t lines_per_tile = (a.block_size * d * element_size(a.cache_dtype) + 63) / 64;
-  TilePrefetcher pf(item_tiles(a, p, part, kv_head), next, lines_per_tile, follows);
+  TilePrefetcher pf(item_tiles(a, p, part, kv_head), next, lines_per_tile, run.after_previous);
   attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s, pf);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = kv_head * group + g;

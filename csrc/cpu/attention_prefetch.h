@@ -35,8 +35,8 @@ struct ItemTiles {
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;  // inactive: prefill keeps attend_d's own next-tile prefetches
-  // already_issued: the previous item on this thread was the one before this, so it issued this
-  // item's first `distance` lines.
+  // already_issued: this thread's previous item was the one before this and issued this item's
+  // first `distance` lines.
   TilePrefetcher(const ItemTiles& current, const ItemTiles& next, int64_t lines_per_tile, bool already_issued)
       : items_{current, next}, lines_per_tile_(lines_per_tile),
         distance_(imax(1, kPrefetchDistanceBytes / 64)) {

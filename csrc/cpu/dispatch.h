@@ -24,8 +24,8 @@ std::vector<std::string> available_isas();
 bool bf16_dot_available();
 
 // Runs body(item, scratch) for item in [0, num_items) on torch's intra-op threads; a body taking a
-// third argument also learns whether the same thread ran item - 1 just before (decode attention
-// prefetches the next item's tiles, so it knows which are already on their way). Items are handed
+// third argument also gets the item's RunPosition (decode attention prefetches the next item's
+// tiles when the same thread runs it). Items are handed
 // out a few at a time from a shared counter, so sequences of very different lengths still balance
 // across cores. One item at a time cost ~10% of a decode step (SmolLM2, 64 sequences: 192 items of
 // ~1 us per layer): every grab is a locked add on a line the other core just wrote. Runs of
@@ -40,14 +40,12 @@ void parallel_items(int64_t num_items, int64_t scratch_floats, const Body& body)
   const int64_t run = std::max<int64_t>(1, num_items / (16 * workers));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(static_cast<size_t>(scratch_floats));
-    int64_t previous = -2;  // the item this thread ran last
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t first = counter.next.fetch_add(run); first < num_items; first = counter.next.fetch_add(run)) {
         const int64_t last = std::min(num_items, first + run);
         for (int64_t i = first; i < last; ++i) {
-          if constexpr (std::is_invocable_v<const Body&, int64_t, float*, bool>) {
-            body(i, scratch.data(), i == previous + 1);
-            previous = i;
+          if constexpr (std::is_invocable_v<const Body&, int64_t, float*, RunPosition>) {
+            body(i, scratch.data(), RunPosition{i > first, i + 1 < last});
           } else {
             body(i, scratch.data());
           }

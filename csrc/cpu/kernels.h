@@ -69,12 +69,19 @@ struct LinearArgs {
   const uint32_t* x_pairs = nullptr;
 };
 
+// An item's place in the run of consecutive items one thread takes (dispatch.h's parallel_items).
+struct RunPosition {
+  bool after_previous;  // this thread ran item - 1 just before
+  bool before_next;     // this thread runs item + 1 next
+};
+
 struct KernelTable {
   const char* isa;
   // Floats of per-thread scratch the attention kernels need.
   int64_t (*scratch_floats)(const AttentionArgs& a, int64_t rows);
-  // follows: the calling thread's previous item was item - 1 (its prefetches ran into this one).
-  void (*decode_item)(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, bool follows,
+  // run: where the item sits in the calling thread's run of items (dispatch.h), which says whose
+  // tiles are already being prefetched and whether the next item's are worth prefetching.
+  void (*decode_item)(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head, RunPosition run,
                       float* scratch);
   void (*decode_reduce)(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int64_t head);
   void (*prefill_item)(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
