@@ -257,9 +257,12 @@ ItemTiles item_tiles(const AttentionArgs& a, const DecodePlan& p, int64_t part, 
   if (part >= p.part_offset[a.num_seqs]) return t;
   const PartRange r = part_range(a, p, part);
   const int64_t bs = a.block_size;
-  t.a = &a;
+  const int64_t tile_bytes = bs * a.head_size * element_size(a.cache_dtype);
+  t.key_cache = static_cast<const char*>(a.key_cache);
+  t.value_cache = static_cast<const char*>(a.value_cache);
   t.table = a.block_tables + r.seq * a.max_blocks_per_seq;
-  t.kv_head = kv_head;
+  t.block_bytes = a.num_kv_heads * tile_bytes;
+  t.head_offset = kv_head * tile_bytes;
   t.first_block = r.begin / bs;
   t.num_blocks = (r.end - r.begin + bs - 1) / bs;
   t.blocks_per_chunk = chunk_tokens(a) / bs;
