@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>  // gemm_impl.h: std::index_sequence
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>  // vec.h is included inside a namespace: system headers come first
@@ -124,7 +125,8 @@ struct RowSet {
 struct RowScores {
   static void start(const RowSet&, int64_t, Scratch&) {}
 
-  static void scores(const RowSet& rs, int64_t d, int64_t chunk, const float* k, int64_t t0, int64_t nb,
+  template <typename KT>
+  static void scores(const RowSet& rs, int64_t d, int64_t chunk, const KT* k, int64_t t0, int64_t nb,
                      int64_t pos0, Scratch& s) {
     block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
     for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
@@ -154,7 +156,8 @@ struct RowScores {
     }
   }
 
-  static void values(const RowSet& rs, int64_t d, int64_t chunk, const float* v, int64_t t0, int64_t nb,
+  template <typename VT>
+  static void values(const RowSet& rs, int64_t d, int64_t chunk, const VT* v, int64_t t0, int64_t nb,
                      Scratch& s) {
     block_values(s.acc, rs.rows, d, s.score + t0, chunk, 1, v, nb);
   }
@@ -165,8 +168,19 @@ struct RowScores {
 // Attends every row to tokens [begin, end) of one KV head, a chunk at a time, with scores laid out
 // by Layout. begin is block aligned. kD is the head size when it is one of the common ones (0:
 // a.head_size), so the inlined microkernels unroll fully and keep their accumulators in registers.
+// A tile for the microkernels: float (an fp32 cache's tile, or any other converted into buf), or
+// a 16-bit cache's tile read in place (Bf16Bits / HalfBits: the kernels widen as they load).
+template <typename CT>
+const CT* tile_for_kernels(const KVSource& kv, const void* cache, int64_t b, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<CT, float>) {
+    return kv.tile(cache, b, n, buf);
+  } else {
+    return reinterpret_cast<const CT*>(kv.tile_address(cache, b));
+  }
+}
+
 // Decode streams its tiles through pf; prefill (pf inactive) prefetches the next tile as it goes.
-template <int kD, typename Layout>
+template <int kD, typename Layout, typename CT = float>
 void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s, TilePrefetcher& pf) {
   const AttentionArgs& a = kv.a;
   const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
@@ -182,7 +196,7 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
         if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
         kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
       }
-      const float* k = kv.tile(a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
+      const CT* k = tile_for_kernels<CT>(kv, a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
       pf.consumed();
       Layout::scores(rs, d, chunk, k, t0, nb, pos0, s);
     }
@@ -192,18 +206,29 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
       const int64_t nb = imin(bs, n - t0);
       if (!pf.active() && t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
         kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
-      const float* v = kv.tile(a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
+      const CT* v = tile_for_kernels<CT>(kv, a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
       pf.consumed();
       Layout::values(rs, d, chunk, v, t0, nb, s);
     }
   }
 }
 
+constexpr int64_t kInPlaceRows = 4;
+
 template <int kD>
 void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s,
                  TilePrefetcher& pf) {
 #if defined(KVPAGE_WIDE_ATTENTION)
   if (rs.rows >= kWideRows) return attend_d<kD, WideScores>(kv, rs, begin, end, s, pf);
+#endif
+#if defined(KVPAGE_VEC_AVX2)
+  // A few rows (decode's GQA groups) read a 16-bit tile in place, widening each element once as they
+  // load it, instead of a conversion pass into kbuf / vbuf and a second read; many rows (prefill)
+  // would widen each element once per row block, so they convert first.
+  if (rs.rows <= kInPlaceRows) {
+    if (kv.a.cache_dtype == DType::kBFloat16) return attend_d<kD, RowScores, Bf16Bits>(kv, rs, begin, end, s, pf);
+    if (kv.a.cache_dtype == DType::kHalf) return attend_d<kD, RowScores, HalfBits>(kv, rs, begin, end, s, pf);
+  }
 #endif
   attend_d<kD, RowScores>(kv, rs, begin, end, s, pf);
 }

@@ -39,28 +39,12 @@ struct PrefetchStream {
   }
 };
 
-// 16-bit weight elements (LinearArgs::weight_dtype), distinct types so the loads below overload on them.
-struct Bf16Bits {
-  uint16_t bits;
-};
-struct HalfBits {
-  uint16_t bits;
-};
+// Bf16Bits / HalfBits and their widening loads (load_weights16 / load_weights8): vec.h.
 inline float weight_to_float(float w) { return w; }
 inline float weight_to_float(Bf16Bits w) { return bf16_to_float(w.bits); }
 inline float weight_to_float(HalfBits w) { return half_to_float(w.bits); }
 
 #if defined(__AVX512F__)
-
-// 16 weights widened to fp32 (exactly: bf16 is fp32's top half, every fp16 value is an fp32 value).
-inline __m512 load_weights16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_weights16(const Bf16Bits* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load_weights16(const HalfBits* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // y[r][0..ncols) = acc[r] + bias for a pass's R rows. Masked stores: the last slab of an N that is not a
 // multiple of 48 holds padding columns.
@@ -119,14 +103,6 @@ inline void store_columns(float* y, __m256 out, const float* bias, int64_t valid
   for (int64_t c = 0; c < valid; ++c) y[c] = tmp[c] + (bias ? bias[c] : 0.f);
 }
 
-inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_weights8(const Bf16Bits* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 load_weights8(const HalfBits* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 template <int R, typename W>
 void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,

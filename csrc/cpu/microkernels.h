@@ -38,6 +38,8 @@ struct Lanes8 {
   static constexpr int kWidth = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V widen(const T* p) { return load_weights8(p); }  // a K/V tile's fp32 / bf16 / fp16 elements
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -50,6 +52,8 @@ struct Lanes16 {
   static constexpr int kWidth = 16;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V widen(const T* p) { return load_weights16(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -59,9 +63,9 @@ struct Lanes16 {
 
 // R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs (head_size a multiple of
 // the width).
-template <typename L, int R>
+template <typename L, int R, typename KT>
 KVPAGE_KERNEL_INLINE
-void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_stride) {
+void scores_rx4(const float* q, const KT* k, int64_t d, float* s, int64_t s_stride) {
   typename L::V a[R][4];
   for (auto& row : a)
     for (auto& x : row) x = L::zero();
@@ -69,7 +73,7 @@ void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_s
     typename L::V x[R];
     for (int r = 0; r < R; ++r) x[r] = L::load(q + r * d + i);
     for (int j = 0; j < 4; ++j) {
-      const typename L::V kv = L::load(k + j * d + i);
+      const typename L::V kv = L::widen(k + j * d + i);
       for (int r = 0; r < R; ++r) a[r][j] = L::fma(x[r], kv, a[r][j]);
     }
   }
@@ -77,17 +81,17 @@ void scores_rx4(const float* q, const float* k, int64_t d, float* s, int64_t s_s
     _mm_storeu_ps(s + r * s_stride, hsum4(L::fold(a[r][0]), L::fold(a[r][1]), L::fold(a[r][2]), L::fold(a[r][3])));
 }
 
-template <typename L>
+template <typename L, typename KT>
 KVPAGE_KERNEL_INLINE
-float score_1x1(const float* q, const float* k, int64_t d) {
+float score_1x1(const float* q, const KT* k, int64_t d) {
   typename L::V a = L::zero();
-  for (int64_t i = 0; i < d; i += L::kWidth) a = L::fma(L::load(q + i), L::load(k + i), a);
+  for (int64_t i = 0; i < d; i += L::kWidth) a = L::fma(L::load(q + i), L::widen(k + i), a);
   return hsum(L::fold(a));
 }
 
-template <typename L, int R>
+template <typename L, int R, typename KT>
 KVPAGE_KERNEL_INLINE
-void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
+void scores_rows(const float* q, const KT* k, int64_t n, int64_t d, float* s, int64_t s_stride) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) scores_rx4<L, R>(q, k + t * d, d, s + t, s_stride);
   for (; t < n; ++t)
@@ -98,8 +102,10 @@ void scores_rows(const float* q, const float* k, int64_t n, int64_t d, float* s,
 // three-row blocks fit GQA groups of 3 and keep 12 accumulators + 3 queries + 1 key in the 16
 // registers; four rows go as 2 + 2 rather than 3 + 1, so no row runs alone. AVX-512 takes 4-row
 // blocks, then a 3-row rest, at 16 lanes (32 registers).
+// KT: the K tile's element type (float, or a 16-bit cache's Bf16Bits / HalfBits read in place).
+template <typename KT>
 KVPAGE_KERNEL_INLINE
-void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float* s,
+void block_scores(const float* q, int64_t rows, const KT* k, int64_t n, int64_t d, float* s,
                   int64_t s_stride) {
   int64_t r = 0;
 #if defined(__AVX512F__)
@@ -114,10 +120,10 @@ void block_scores(const float* q, int64_t rows, const float* k, int64_t n, int64
 
 // acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers;
 // p[r][t] sits at p[r * p_stride + t * t_stride] (scores by row, or attention_wide.h's by token).
-template <typename L, int R, int N>
+template <typename L, int R, int N, typename VT>
 KVPAGE_KERNEL_INLINE
 void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
-                 const float* v, int64_t n, int64_t i) {
+                 const VT* v, int64_t n, int64_t i) {
   constexpr int W = L::kWidth;
   typename L::V a[R][N];
   for (int r = 0; r < R; ++r)
@@ -126,7 +132,7 @@ void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_
     typename L::V w[R];
     for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t * t_stride]);
     for (int j = 0; j < N; ++j) {
-      const typename L::V x = L::load(v + t * d + i + W * j);
+      const typename L::V x = L::widen(v + t * d + i + W * j);
       for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
     }
   }
@@ -134,9 +140,9 @@ void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_
     for (int j = 0; j < N; ++j) L::store(acc + r * d + i + W * j, a[r][j]);
 }
 
-template <typename L, int R>
+template <typename L, int R, typename VT>
 KVPAGE_KERNEL_INLINE
-void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride, const float* v,
+void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride, const VT* v,
                  int64_t n) {
   constexpr int W = L::kWidth;
   int64_t i = 0;
@@ -145,9 +151,10 @@ void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_
   for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, t_stride, v, n, i);
 }
 
+template <typename VT>
 KVPAGE_KERNEL_INLINE
 void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
-                  const float* v, int64_t n) {
+                  const VT* v, int64_t n) {
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; rows - r >= 4; r += 4)

@@ -24,6 +24,37 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// 16-bit elements (packed weights, KV-cache tiles), distinct types so the loads below overload on them.
+struct Bf16Bits {
+  uint16_t bits;
+};
+struct HalfBits {
+  uint16_t bits;
+};
+
+#if defined(KVPAGE_VEC_AVX2)
+// 8 elements widened to fp32 (exactly: bf16 is fp32's top half, every fp16 value is an fp32 value).
+inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_weights8(const Bf16Bits* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load_weights8(const HalfBits* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 load_weights16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_weights16(const Bf16Bits* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_weights16(const HalfBits* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;

@@ -73,6 +73,25 @@ def test_decode_matches_reference(cpu_isa, cache_dtype, heads, head_size):
         assert_attention_close(out, expected)
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (6, 3), (9, 3), (8, 2), (16, 2)], ids=lambda h: f"group{h[0] // h[1]}")
+@pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
+def test_decode_bits_equal_the_widened_float32_cache(cpu_isa, cache_dtype, heads):
+    """Widening a 16-bit element to float32 is exact, so decode over a 16-bit cache must give the very
+    bits it gives over a float32 cache holding the widened values: small GQA groups read 16-bit tiles
+    in place (widening as they load), larger ones convert a tile first; either way the same floats
+    reach the same arithmetic."""
+    num_heads, num_kv_heads = heads
+    gen, block_size, seq_lens = generator(6), 16, [1, 15, 100, 700]
+    narrow = narrow_cache(60, block_size, num_kv_heads, 64, cache_dtype, gen)
+    wide = tuple(cache.float() for cache in narrow)
+    tables = random_block_tables(seq_lens, block_size, 60, gen)
+    query = randn((len(seq_lens), num_heads, 64), torch.float32, gen)
+    for partition_size in (None, 64):
+        got = ops.paged_attention(query, *narrow, tables, int32(seq_lens), partition_size=partition_size)
+        want = ops.paged_attention(query, *wide, tables, int32(seq_lens), partition_size=partition_size)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("heads", HEAD_CONFIGS.values(), ids=HEAD_CONFIGS.keys())
 @pytest.mark.parametrize("cache_dtype", NARROW, ids=str)
 def test_prefill_matches_reference(cpu_isa, cache_dtype, heads):
