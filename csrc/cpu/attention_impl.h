@@ -276,18 +276,16 @@ PartRange part_range(const AttentionArgs& a, const DecodePlan& p, int64_t part) 
   return {seq, begin, imin(a.seq_lens[seq], begin + p.partition_size)};
 }
 
-// The tiles decode item (part, kv_head) reads; none past the last item.
-ItemTiles item_tiles(const AttentionArgs& a, const DecodePlan& p, int64_t part, int64_t kv_head) {
+// The tiles a decode item (tokens r of one sequence, one KV head) reads.
+ItemTiles item_tiles(const AttentionArgs& a, const PartRange& r, int64_t kv_head) {
   ItemTiles t;
-  if (part >= p.part_offset[a.num_seqs]) return t;
-  const PartRange r = part_range(a, p, part);
   const int64_t bs = a.block_size;
-  const int64_t tile_bytes = bs * a.head_size * element_size(a.cache_dtype);
   t.key_cache = static_cast<const char*>(a.key_cache);
   t.value_cache = static_cast<const char*>(a.value_cache);
   t.table = a.block_tables + r.seq * a.max_blocks_per_seq;
-  t.block_bytes = a.num_kv_heads * tile_bytes;
-  t.head_offset = kv_head * tile_bytes;
+  t.tile_bytes = bs * a.head_size * element_size(a.cache_dtype);
+  t.block_bytes = a.num_kv_heads * t.tile_bytes;
+  t.head_offset = kv_head * t.tile_bytes;
   t.first_block = r.begin / bs;
   t.num_blocks = (r.end - r.begin + bs - 1) / bs;
   t.blocks_per_chunk = chunk_tokens(a) / bs;
@@ -304,11 +302,12 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
   load_query(a, seq, kv_head * group, group, 0, s);
   const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
   // The next item, when this thread runs it: prefetching another core's tiles only costs this one.
+  // (before_next implies a next item exists.)
   const bool last_head = kv_head + 1 == a.num_kv_heads;
-  const ItemTiles next = run.before_next ? item_tiles(a, p, last_head ? part + 1 : part, last_head ? 0 : kv_head + 1)
+  const ItemTiles next = run.before_next ? item_tiles(a, part_range(a, p, last_head ? part + 1 : part),
+                                                      last_head ? 0 : kv_head + 1)
                                          : ItemTiles{};
-  const int64_t lines_per_tile = (a.block_size * d * element_size(a.cache_dtype) + 63) / 64;
-  TilePrefetcher pf(item_tiles(a, p, part, kv_head), next, lines_per_tile, run.after_previous);
+  TilePrefetcher pf(item_tiles(a, r, kv_head), next, run.after_previous);
   attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s, pf);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = kv_head * group + g;

@@ -21,6 +21,7 @@ struct ItemTiles {
   const char* key_cache = nullptr;  // null: no item
   const char* value_cache = nullptr;
   const int32_t* table = nullptr;  // the sequence's block_tables row
+  int64_t tile_bytes = 0;          // one (block, KV head) tile
   int64_t block_bytes = 0;         // one pool block, all KV heads
   int64_t head_offset = 0;         // this KV head's tile within a block
   int64_t first_block = 0, num_blocks = 0, blocks_per_chunk = 1;
@@ -60,10 +61,10 @@ class TilePrefetcher {
   TilePrefetcher() = default;  // inactive: prefill keeps attend_d's own next-tile prefetches
   // already_issued: this thread's previous item was the one before this and issued this item's
   // first `distance` lines.
-  TilePrefetcher(const ItemTiles& current, const ItemTiles& next, int64_t lines_per_tile, bool already_issued)
-      : items_{current, next}, lines_per_tile_(lines_per_tile),
+  TilePrefetcher(const ItemTiles& current, const ItemTiles& next, bool already_issued)
+      : items_{current, next}, lines_per_tile_((current.tile_bytes + 63) / 64),
         distance_(imax(1, kPrefetchDistanceBytes / 64)) {
-    if (already_issued) skip(imin(distance_, current.count() * lines_per_tile));
+    if (already_issued) skip(imin(distance_, current.count() * lines_per_tile_));
     cursor_.seek(items_[which_], tile_);
     issue_to(distance_);
   }

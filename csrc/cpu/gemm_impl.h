@@ -39,7 +39,7 @@ struct PrefetchStream {
   }
 };
 
-// Bf16Bits / HalfBits and their widening loads (load_weights16 / load_weights8): vec.h.
+// Bf16Bits / HalfBits and their widening loads (load_widened16 / load_widened8): vec.h.
 inline float weight_to_float(float w) { return w; }
 inline float weight_to_float(Bf16Bits w) { return bf16_to_float(w.bits); }
 inline float weight_to_float(HalfBits w) { return half_to_float(w.bits); }
@@ -81,7 +81,7 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
   for (int64_t k = 0; k < k_dim; ++k) {
     pf.next();
     __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = load_weights16(w + k * kSlabColumns + 16 * v);
+    for (int v = 0; v < V; ++v) wv[v] = load_widened16(w + k * kSlabColumns + 16 * v);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * k_dim + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
@@ -103,7 +103,6 @@ inline void store_columns(float* y, __m256 out, const float* bias, int64_t valid
   for (int64_t c = 0; c < valid; ++c) y[c] = tmp[c] + (bias ? bias[c] : 0.f);
 }
 
-
 template <int R, typename W>
 void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
                const float* bias, PrefetchStream pf) {
@@ -119,7 +118,7 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
       if (h == 0) pf.next();  // the pass's share of the next slab, during the first half
       __m256 wv[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) wv[v] = load_weights8(wh + k * kSlabColumns + 8 * v);
+      for (int v = 0; v < V; ++v) wv[v] = load_widened8(wh + k * kSlabColumns + 8 * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * k_dim + k);

@@ -39,7 +39,7 @@ struct Lanes8 {
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   template <typename T>
-  static V widen(const T* p) { return load_weights8(p); }  // a K/V tile's fp32 / bf16 / fp16 elements
+  static V widen(const T* p) { return load_widened8(p); }  // a K/V tile's fp32 / bf16 / fp16 elements
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -53,7 +53,7 @@ struct Lanes16 {
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   template <typename T>
-  static V widen(const T* p) { return load_weights16(p); }
+  static V widen(const T* p) { return load_widened16(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }

@@ -34,23 +34,23 @@ struct HalfBits {
 
 #if defined(KVPAGE_VEC_AVX2)
 // 8 elements widened to fp32 (exactly: bf16 is fp32's top half, every fp16 value is an fp32 value).
-inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_weights8(const Bf16Bits* p) {
+inline __m256 load_widened8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_widened8(const Bf16Bits* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline __m256 load_weights8(const HalfBits* p) {
+inline __m256 load_widened8(const HalfBits* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
 #if defined(__AVX512F__)
-inline __m512 load_weights16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_weights16(const Bf16Bits* p) {
+inline __m512 load_widened16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_widened16(const Bf16Bits* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline __m512 load_weights16(const HalfBits* p) {
+inline __m512 load_widened16(const HalfBits* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
