@@ -8,6 +8,7 @@
 #include "kernels.h"
 
 #include <array>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,12 +27,12 @@ namespace cpu {
 namespace KVPAGE_ISA_NS {
 namespace {
 
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
 #include "vec.h"
 #include "microkernels.h"
 #include "layers_impl.h"
-
-inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #include "gemm_impl.h"
 
@@ -40,6 +41,7 @@ int64_t element_size(DType t) { return t == DType::kFloat ? 4 : t == DType::kFlo
 // Online-softmax step: the chunk's scores stay in L1/L2, and a whole chunk of V tiles (then of the
 // next K tiles) is prefetched while the current ones are used.
 int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 128); }
+constexpr int64_t kMaxChunkTiles = 128;  // a chunk's tiles at most (block size 1)
 
 struct Scratch {
   float* q;      // [rows, head_size], pre-scaled
@@ -52,8 +54,13 @@ struct Scratch {
   float* vbuf;   // [chunk, head_size]
 };
 
-// Rows rounded up to whole 8-lane vectors: the wide path's row padding.
-int64_t round_up_rows(int64_t rows) { return (rows + 7) / 8 * 8; }
+// Rows rounded up to whole vectors of the wide path's lanes (attention_wide.h): its row padding.
+#if defined(__AVX512F__)
+constexpr int64_t kRowLanes = 16;
+#else
+constexpr int64_t kRowLanes = 8;
+#endif
+int64_t round_up_rows(int64_t rows) { return (rows + kRowLanes - 1) / kRowLanes * kRowLanes; }
 
 int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
   const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
@@ -123,6 +130,8 @@ struct RowSet {
 // Scores by row (score [rows][chunk]): microkernels.h's dot products. The chunk loop (attend_d)
 // calls a layout's start once, then per chunk scores and mask per block, softmax, values per block.
 struct RowScores {
+  static constexpr bool kChunkValues = false;  // values tile by tile (decode's prefetch stream follows them)
+
   static void start(const RowSet&, int64_t, Scratch&) {}
 
   template <typename KT>
@@ -202,14 +211,16 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
     }
     Layout::softmax(rs, d, chunk, n, s);
     const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const CT* v[kMaxChunkTiles];
+    for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
       const int64_t nb = imin(bs, n - t0);
       if (!pf.active() && t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
         kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
-      const CT* v = tile_for_kernels<CT>(kv, a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
+      v[j] = tile_for_kernels<CT>(kv, a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
       pf.consumed();
-      Layout::values(rs, d, chunk, v, t0, nb, s);
+      if constexpr (!Layout::kChunkValues) Layout::values(rs, d, chunk, v[j], t0, nb, s);
     }
+    if constexpr (Layout::kChunkValues) Layout::chunk_values(rs, d, v, bs, n, s);
   }
 }
 

@@ -1,18 +1,27 @@
-// Attention for many query rows at once (prefill tiles, wide GQA groups), AVX2 builds: the rows
-// go across the vector lanes. Queries are transposed once per work item (qT [head_size][rp], rp =
-// rows rounded up to 8), so a score is FMAs of a broadcast key element with eight rows' query
-// elements, and the scores land by token (scoreT [token][rp]) without a horizontal sum (row-by-row
-// dot products, microkernels.h, ran at about half the FMA peak in L1 here, held back by those sums;
-// the values loop at three quarters). The online softmax then runs eight rows per vector too.
-// Values reuse block_values, reading p by token.
+// Attention for many query rows at once (prefill tiles, wide GQA groups): the rows go across the
+// vector lanes, 8 on AVX2, 16 on AVX-512. Queries are transposed once per work item (qT
+// [head_size][rp], rp = rows rounded up to the lanes), so a score is FMAs of a broadcast key element
+// with a vector of rows' query elements, and the scores land by token (scoreT [token][rp]) without a
+// horizontal sum (row-by-row dot products, microkernels.h, ran at about half the FMA peak in L1 on
+// AVX2, held back by those sums; at 16 lanes a head of 64 leaves each sum only 4 FMAs). The online
+// softmax then runs eight rows per vector. Values reuse block_values, reading p by token.
 // Included by attention_impl.h inside the ISA namespace, after RowScores, the layout it mirrors.
 #pragma once
 
-#if defined(KVPAGE_VEC_AVX2) && !defined(__AVX512F__)
+#if defined(KVPAGE_VEC_AVX2)
 #define KVPAGE_WIDE_ATTENTION 1
 
+#if defined(__AVX512F__)
+using WideLanes = Lanes16;
+#else
+using WideLanes = Lanes8;
+#endif
+static_assert(WideLanes::kWidth == kRowLanes, "the row padding is one vector of the wide path's lanes");
+
 // Row sets at least this large take the wide path; smaller ones would leave lanes empty.
-constexpr int64_t kWideRows = 8;
+constexpr int64_t kWideRows = WideLanes::kWidth;
+// Tokens per pass for the last one or two row vectors (wide_scores).
+constexpr int kWideOnesTokens = WideLanes::kWidth == 16 ? 8 : 4;
 
 // qT[i][r] = q[r][i], rows [rows, rp) zero.
 inline void transpose_queries(const float* q, int64_t rows, int64_t d, float* qT, int64_t rp) {
@@ -22,52 +31,63 @@ inline void transpose_queries(const float* q, int64_t rows, int64_t d, float* qT
   }
 }
 
-// scoreT[t][8v..8v+8) = k[t] . q[8v..8v+8) for T tokens and V row vectors: T * V accumulators, each
-// query vector feeding T FMAs and each broadcast key element V.
-template <int T, int V>
+// scoreT[t][W v..W v + W) = k[t] . q[W v..W v + W) for T tokens and V row vectors of W lanes: T * V
+// accumulators, each query vector feeding T FMAs and each broadcast key element V.
+template <typename L, int T, int V>
 KVPAGE_KERNEL_INLINE
 void wide_scores_tile(const float* qT, int64_t rp, const float* k, int64_t d, float* sT) {
-  __m256 a[T][V];
+  constexpr int W = L::kWidth;
+  typename L::V a[T][V];
   for (auto& row : a)
-    for (auto& x : row) x = _mm256_setzero_ps();
+    for (auto& x : row) x = L::zero();
   for (int64_t i = 0; i < d; ++i) {
-    __m256 q[V];
-    for (int v = 0; v < V; ++v) q[v] = _mm256_loadu_ps(qT + i * rp + 8 * v);
+    typename L::V q[V];
+    for (int v = 0; v < V; ++v) q[v] = L::load(qT + i * rp + W * v);
     for (int t = 0; t < T; ++t) {
-      const __m256 kb = _mm256_broadcast_ss(k + t * d + i);
-      for (int v = 0; v < V; ++v) a[t][v] = _mm256_fmadd_ps(kb, q[v], a[t][v]);
+      const typename L::V kb = L::set1(k[t * d + i]);
+      for (int v = 0; v < V; ++v) a[t][v] = L::fma(kb, q[v], a[t][v]);
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sT + t * rp + 8 * v, a[t][v]);
+    for (int v = 0; v < V; ++v) L::store(sT + t * rp + W * v, a[t][v]);
 }
 
 // T tokens at a time (then ones) against V row vectors.
-template <int T, int V>
+template <typename L, int T, int V>
 KVPAGE_KERNEL_INLINE
 void wide_scores_rows(const float* qT, int64_t rp, const float* k, int64_t n, int64_t d, float* sT) {
   int64_t t = 0;
-  for (; t + T <= n; t += T) wide_scores_tile<T, V>(qT, rp, k + t * d, d, sT + t * rp);
-  for (; t < n; ++t) wide_scores_tile<1, V>(qT, rp, k + t * d, d, sT + t * rp);
+  for (; t + T <= n; t += T) wide_scores_tile<L, T, V>(qT, rp, k + t * d, d, sT + t * rp);
+  for (; t < n; ++t) wide_scores_tile<L, 1, V>(qT, rp, k + t * d, d, sT + t * rp);
 }
 
-// Row vectors in fours x 3 tokens or threes x 4 tokens (12 accumulators, 7 loads per 12 FMAs), the
-// last one or two x 4 tokens.
+// Row vectors per pass, by the vectors left, and tokens per pass: AVX-512's 32 registers take fours
+// x 4 tokens (16 accumulators; the broadcasts ride in the FMAs' memory operands), threes x 4, twos
+// and ones x 8 (token counts that divide the usual block sizes); AVX2's 16 take fours x 3 or threes
+// x 4 (12 accumulators, 7 loads per 12 FMAs), the last one or two x 4.
 KVPAGE_KERNEL_INLINE
 void wide_scores(const float* qT, int64_t rp, const float* k, int64_t n, int64_t d, float* sT) {
-  const int64_t vectors = rp / 8;
-  int64_t v = 0;
-  for (int64_t left = vectors; left > 0; left = vectors - v) {
-    float* out = sT + 8 * v;
-    const float* q = qT + 8 * v;
+  using L = WideLanes;
+  const int64_t vectors = rp / L::kWidth;
+  for (int64_t v = 0; v < vectors;) {
+    const int64_t left = vectors - v;
+    float* out = sT + L::kWidth * v;
+    const float* q = qT + L::kWidth * v;
+#if defined(__AVX512F__)
+    if (left >= 4) {
+      wide_scores_rows<L, 4, 4>(q, rp, k, n, d, out), v += 4;
+    } else if (left == 3) {
+      wide_scores_rows<L, 4, 3>(q, rp, k, n, d, out), v += 3;
+#else
     if (left >= 4 && left != 5 && left != 6) {
-      wide_scores_rows<3, 4>(q, rp, k, n, d, out), v += 4;
+      wide_scores_rows<L, 3, 4>(q, rp, k, n, d, out), v += 4;
     } else if (left >= 3) {
-      wide_scores_rows<4, 3>(q, rp, k, n, d, out), v += 3;
+      wide_scores_rows<L, 4, 3>(q, rp, k, n, d, out), v += 3;
+#endif
     } else if (left == 2) {
-      wide_scores_rows<4, 2>(q, rp, k, n, d, out), v += 2;
+      wide_scores_rows<L, kWideOnesTokens, 2>(q, rp, k, n, d, out), v += 2;
     } else {
-      wide_scores_rows<4, 1>(q, rp, k, n, d, out), v += 1;
+      wide_scores_rows<L, kWideOnesTokens, 1>(q, rp, k, n, d, out), v += 1;
     }
   }
 }
@@ -82,31 +102,31 @@ inline void wide_mask(int64_t rows, int64_t group, int64_t first_pos, int64_t po
   }
 }
 
-// One chunk's online-softmax step, eight rows at a time: m and l ([rp]) move to the chunk's max,
-// scoreT's n tokens become probabilities, and acc rows are rescaled by alpha = exp(m_old - m_new).
-// A row that has seen nothing yet (max -inf) keeps probability 0 and alpha 0 (its acc is zero).
-inline void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* sT, float* m, float* l,
-                         float* acc) {
-  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-  for (int64_t r0 = 0; r0 < rp; r0 += 8) {
-    __m256 mx = minus_inf;
-    for (int64_t t = 0; t < n; ++t) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sT + t * rp + r0));
-    const __m256 m_old = _mm256_loadu_ps(m + r0);
-    const __m256 m_new = _mm256_max_ps(m_old, mx);
-    const __m256 nothing_seen = _mm256_cmp_ps(m_new, minus_inf, _CMP_EQ_OQ);
-    const __m256 m_safe = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), nothing_seen);
-    __m256 sum = _mm256_setzero_ps();
+// One chunk's online-softmax step, a vector of rows at a time: m and l ([rp]) move to the chunk's
+// max, scoreT's n tokens become probabilities, and acc rows are rescaled by alpha = exp(m_old -
+// m_new). A row that has seen nothing yet (max -inf) keeps probability 0 and alpha 0 (its acc is
+// zero): its max is taken as -FLT_MAX, so both exponents are -inf.
+template <typename L>
+void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* sT, float* m, float* l, float* acc) {
+  constexpr int W = L::kWidth;
+  for (int64_t r0 = 0; r0 < rp; r0 += W) {
+    typename L::V mx = L::set1(-INFINITY);
+    for (int64_t t = 0; t < n; ++t) mx = L::max(mx, L::load(sT + t * rp + r0));
+    const typename L::V m_old = L::load(m + r0);
+    const typename L::V m_new = L::max(m_old, mx);
+    const typename L::V m_safe = L::max(m_new, L::set1(-FLT_MAX));
+    typename L::V sum = L::zero();
     for (int64_t t = 0; t < n; ++t) {
-      const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sT + t * rp + r0), m_safe));
-      _mm256_storeu_ps(sT + t * rp + r0, p);
-      sum = _mm256_add_ps(sum, p);
+      const typename L::V p = exp_nonpositive_lanes<L>(L::sub(L::load(sT + t * rp + r0), m_safe));
+      L::store(sT + t * rp + r0, p);
+      sum = L::add(sum, p);
     }
-    const __m256 alpha = exp_nonpositive8(_mm256_sub_ps(m_old, m_safe));
-    _mm256_storeu_ps(l + r0, _mm256_fmadd_ps(_mm256_loadu_ps(l + r0), alpha, sum));
-    _mm256_storeu_ps(m + r0, m_new);
-    alignas(32) float alphas[8];
-    _mm256_store_ps(alphas, alpha);
-    for (int64_t r = r0; r < imin(rows, r0 + 8); ++r) {
+    const typename L::V alpha = exp_nonpositive_lanes<L>(L::sub(m_old, m_safe));
+    L::store(l + r0, L::fma(L::load(l + r0), alpha, sum));
+    L::store(m + r0, m_new);
+    alignas(64) float alphas[W];
+    L::store(alphas, alpha);
+    for (int64_t r = r0; r < imin(rows, r0 + W); ++r) {
       if (alphas[r - r0] == 1.f) continue;
       float* ac = acc + r * d;
       const __m256 w = _mm256_set1_ps(alphas[r - r0]);
@@ -117,6 +137,8 @@ inline void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* 
 
 // The wide layout for attend_d: score [chunk][rp], m and l [rp].
 struct WideScores {
+  static constexpr bool kChunkValues = true;
+
   static void start(const RowSet& rs, int64_t d, Scratch& s) {
     transpose_queries(s.q, rs.rows, d, s.qT, round_up_rows(rs.rows));
   }
@@ -129,13 +151,12 @@ struct WideScores {
   }
 
   static void softmax(const RowSet& rs, int64_t d, int64_t, int64_t n, Scratch& s) {
-    wide_softmax(rs.rows, round_up_rows(rs.rows), n, d, s.score, s.m, s.l, s.acc);
+    wide_softmax<WideLanes>(rs.rows, round_up_rows(rs.rows), n, d, s.score, s.m, s.l, s.acc);
   }
 
-  static void values(const RowSet& rs, int64_t d, int64_t, const float* v, int64_t t0, int64_t nb,
-                     Scratch& s) {
-    const int64_t rp = round_up_rows(rs.rows);
-    block_values(s.acc, rs.rows, d, s.score + t0 * rp, 1, rp, v, nb);
+  // A chunk's values in one pass, the accumulators held in registers across its V tiles.
+  static void chunk_values(const RowSet& rs, int64_t d, const float* const* v, int64_t bs, int64_t n, Scratch& s) {
+    block_values_tiles(s.acc, rs.rows, d, s.score, 1, round_up_rows(rs.rows), v, bs, n);
   }
 };
 

@@ -9,8 +9,9 @@
 // left keep 8 lanes (bench/attention_isa.py: 4-row blocks 1.15-1.28x Llama-3-8B decode, 1.17-1.30x
 // prefill; 16-lane 3-row blocks 1.03-1.11x SmolLM2 decode on a Zen 5 VM, whose 512-bit FMAs are
 // full width, where Zen 4's double-pumped ones measured 8 lanes as fast).
-// Other builds get plain loops the compiler vectorises. AVX2 builds score sets of 8 or more rows
-// with attention_wide.h instead (rows across the lanes). Included inside the ISA namespace, after vec.h.
+// Other builds get plain loops the compiler vectorises. AVX2 and AVX-512 builds score sets of a
+// vector's lanes of rows or more (8 / 16) with attention_wide.h instead (rows across the lanes).
+// Included inside the ISA namespace, after vec.h.
 #pragma once
 
 // The microkernels are inlined into attend_d, whose head size is often a constant.
@@ -43,6 +44,18 @@ struct Lanes8 {
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  static V floor(V x) { return _mm256_floor_ps(x); }
+  // y 2^n for whole-number n (within the exponent's range).
+  static V times_pow2(V y, V n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  }
+  static V zero_below(V x, float limit, V v) { return _mm256_and_ps(v, _mm256_cmp_ps(x, set1(limit), _CMP_GE_OQ)); }
   static __m256 fold(V v) { return v; }
 };
 
@@ -57,9 +70,43 @@ struct Lanes16 {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V floor(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V y, V n) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  }
+  static V zero_below(V x, float limit, V v) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(limit), _CMP_GE_OQ), v);
+  }
   static __m256 fold(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 };
 #endif
+
+// vec.h's exp_nonpositive, a vector at a time: the same steps, so the same bits lane for lane.
+template <typename L>
+KVPAGE_KERNEL_INLINE
+typename L::V exp_nonpositive_lanes(typename L::V x) {
+  using V = typename L::V;
+  const V clamped = L::max(x, L::set1(-87.0f));
+  const V n = L::floor(L::fma(clamped, L::set1(1.44269504088896341f), L::set1(0.5f)));
+  V r = L::fnma(n, L::set1(0.693359375f), clamped);
+  r = L::fnma(n, L::set1(-2.12194440e-4f), r);
+  V y = L::set1(1.9875691500e-4f);
+  y = L::fma(y, r, L::set1(1.3981999507e-3f));
+  y = L::fma(y, r, L::set1(8.3334519073e-3f));
+  y = L::fma(y, r, L::set1(4.1665795894e-2f));
+  y = L::fma(y, r, L::set1(1.6666665459e-1f));
+  y = L::fma(y, r, L::set1(5.0000001201e-1f));
+  y = L::fma(L::mul(y, r), r, L::add(r, L::set1(1.0f)));
+  return L::zero_below(x, -87.0f, L::times_pow2(y, n));
+}
+
+inline __m256 exp_nonpositive8(__m256 x) { return exp_nonpositive_lanes<Lanes8>(x); }
 
 // R rows x tokens t..t+3: R * 4 accumulators, each K vector feeds R FMAs (head_size a multiple of
 // the width).
@@ -120,20 +167,27 @@ void block_scores(const float* q, int64_t rows, const KT* k, int64_t n, int64_t 
 
 // acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers;
 // p[r][t] sits at p[r * p_stride + t * t_stride] (scores by row, or attention_wide.h's by token).
+// Tokens [0, n) lie in tiles of tile_tokens rows each (the last may be short): the accumulators
+// stay in registers across them all.
 template <typename L, int R, int N, typename VT>
 KVPAGE_KERNEL_INLINE
 void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
-                 const VT* v, int64_t n, int64_t i) {
+                 const VT* const* tiles, int64_t tile_tokens, int64_t n, int64_t i) {
   constexpr int W = L::kWidth;
   typename L::V a[R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) a[r][j] = L::load(acc + r * d + i + W * j);
-  for (int64_t t = 0; t < n; ++t) {
-    typename L::V w[R];
-    for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t * t_stride]);
-    for (int j = 0; j < N; ++j) {
-      const typename L::V x = L::widen(v + t * d + i + W * j);
-      for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
+  for (int64_t t0 = 0, tile = 0; t0 < n; t0 += tile_tokens, ++tile) {
+    const VT* v = tiles[tile] + i;
+    const float* pt = p + t0 * t_stride;
+    const int64_t nb = imin(tile_tokens, n - t0);
+    for (int64_t t = 0; t < nb; ++t) {
+      typename L::V w[R];
+      for (int r = 0; r < R; ++r) w[r] = L::set1(pt[r * p_stride + t * t_stride]);
+      for (int j = 0; j < N; ++j) {
+        const typename L::V x = L::widen(v + t * d + W * j);
+        for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -142,48 +196,40 @@ void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_
 
 template <typename L, int R, typename VT>
 KVPAGE_KERNEL_INLINE
-void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride, const VT* v,
-                 int64_t n) {
+void values_rows(float* acc, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
+                 const VT* const* tiles, int64_t tile_tokens, int64_t n) {
   constexpr int W = L::kWidth;
   int64_t i = 0;
-  for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, t_stride, v, n, i);
-  for (; i + 2 * W <= d; i += 2 * W) values_tile<L, R, 2>(acc, d, p, p_stride, t_stride, v, n, i);
-  for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, t_stride, v, n, i);
+  for (; i + 4 * W <= d; i += 4 * W) values_tile<L, R, 4>(acc, d, p, p_stride, t_stride, tiles, tile_tokens, n, i);
+  for (; i + 2 * W <= d; i += 2 * W) values_tile<L, R, 2>(acc, d, p, p_stride, t_stride, tiles, tile_tokens, n, i);
+  for (; i < d; i += W) values_tile<L, R, 1>(acc, d, p, p_stride, t_stride, tiles, tile_tokens, n, i);
 }
 
+// block_values over tokens [0, n) spread over tiles of tile_tokens rows (see values_tile).
+template <typename VT>
+KVPAGE_KERNEL_INLINE
+void block_values_tiles(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
+                        const VT* const* tiles, int64_t tile_tokens, int64_t n) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  for (; rows - r >= 4; r += 4)
+    values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, tiles, tile_tokens, n);
+  if (rows - r == 3)
+    return values_rows<Lanes16, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, tiles, tile_tokens, n);
+#endif
+  for (; rows - r >= 3 && rows - r != 4; r += 3)
+    values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, tiles, tile_tokens, n);
+  for (; rows - r >= 2; r += 2)
+    values_rows<Lanes8, 2>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, tiles, tile_tokens, n);
+  if (r < rows) values_rows<Lanes8, 1>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, tiles, tile_tokens, n);
+}
+
+// acc[r] += sum_t p[r][t] v[t] over one tile v of n tokens.
 template <typename VT>
 KVPAGE_KERNEL_INLINE
 void block_values(float* acc, int64_t rows, int64_t d, const float* p, int64_t p_stride, int64_t t_stride,
                   const VT* v, int64_t n) {
-  int64_t r = 0;
-#if defined(__AVX512F__)
-  for (; rows - r >= 4; r += 4)
-    values_rows<Lanes16, 4>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
-  if (rows - r == 3) return values_rows<Lanes16, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
-#endif
-  for (; rows - r >= 3 && rows - r != 4; r += 3)
-    values_rows<Lanes8, 3>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
-  for (; rows - r >= 2; r += 2) values_rows<Lanes8, 2>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
-  if (r < rows) values_rows<Lanes8, 1>(acc + r * d, d, p + r * p_stride, p_stride, t_stride, v, n);
-}
-
-// vec.h's exp_nonpositive, eight lanes at a time.
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f),
-                                                   _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 result = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-  return _mm256_and_ps(result, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+  block_values_tiles(acc, rows, d, p, p_stride, t_stride, &v, n, n);
 }
 
 inline float row_max(const float* s, int64_t n) {

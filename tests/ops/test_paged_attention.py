@@ -63,10 +63,11 @@ def test_decode_contexts_up_to_several_partitions(cpu_isa, dtype, heads):
     assert_attention_close(split, single)
 
 
-@pytest.mark.parametrize("heads", [(12, 1), (40, 2)], ids=["group12", "group20"])
+@pytest.mark.parametrize("heads", [(12, 1), (32, 2), (40, 2)], ids=["group12", "group16", "group20"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_wide_groups_pad_rows_to_whole_vectors(cpu_isa, dtype, heads):
-    # Groups of 8 or more take the kernel whose lanes are query rows; 12 and 20 leave some padded.
+    # Groups of a vector's lanes or more (8 on AVX2, 16 on AVX-512) take the kernel whose lanes are
+    # query rows; 12 and 20 leave some padded, 16 fills AVX-512's exactly.
     seq_lens = [1, 17, 300, 700]
     args = make_decode(seq_lens, 16, *heads, 64, dtype, num_blocks=50)
     check_decode(args, partition_size=128)
