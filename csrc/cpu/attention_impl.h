@@ -109,14 +109,6 @@ struct KVSource {
     }
     return buf;
   }
-
-  // Tiles sit at random places in the pool, so the hardware prefetcher, which follows streams
-  // within a page, cannot see the next one coming: ask for it while this one is being used.
-  void prefetch(const void* cache, int64_t b, int64_t n) const {
-    const char* base = tile_address(cache, b);
-    const int64_t bytes = n * a.head_size * element_size(a.cache_dtype);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
-  }
 };
 
 #include "attention_prefetch.h"
@@ -188,7 +180,7 @@ const CT* tile_for_kernels(const KVSource& kv, const void* cache, int64_t b, int
   }
 }
 
-// Decode streams its tiles through pf; prefill (pf inactive) prefetches the next tile as it goes.
+// The item's tiles stream through pf (attention_prefetch.h), which prefetches ahead of each read.
 template <int kD, typename Layout, typename CT = float>
 void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s, TilePrefetcher& pf) {
   const AttentionArgs& a = kv.a;
@@ -201,21 +193,14 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
     const int64_t n = imin(chunk, end - c0);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
-      if (!pf.active()) {
-        if (t0 + bs < n) kv.prefetch(a.key_cache, pos0 / bs + 1, imin(bs, n - t0 - bs));
-        kv.prefetch(a.value_cache, pos0 / bs, nb);  // needed right after this chunk's scores
-      }
       const CT* k = tile_for_kernels<CT>(kv, a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
       pf.consumed();
       Layout::scores(rs, d, chunk, k, t0, nb, pos0, s);
     }
     Layout::softmax(rs, d, chunk, n, s);
-    const int64_t next_chunk_tokens = imin(chunk, end - c0 - n);
     const CT* v[kMaxChunkTiles];
     for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
       const int64_t nb = imin(bs, n - t0);
-      if (!pf.active() && t0 < next_chunk_tokens)  // the next chunk's K, spread over this chunk's V work
-        kv.prefetch(a.key_cache, (c0 + n + t0) / bs, imin(bs, next_chunk_tokens - t0));
       v[j] = tile_for_kernels<CT>(kv, a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
       pf.consumed();
       if constexpr (!Layout::kChunkValues) Layout::values(rs, d, chunk, v[j], t0, nb, s);
@@ -287,7 +272,7 @@ PartRange part_range(const AttentionArgs& a, const DecodePlan& p, int64_t part) 
   return {seq, begin, imin(a.seq_lens[seq], begin + p.partition_size)};
 }
 
-// The tiles a decode item (tokens r of one sequence, one KV head) reads.
+// The tiles a work item (tokens r of one sequence, one KV head) reads.
 ItemTiles item_tiles(const AttentionArgs& a, const PartRange& r, int64_t kv_head) {
   ItemTiles t;
   const int64_t bs = a.block_size;
@@ -367,8 +352,9 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
   const RowSet rows{ntok * group, group, context + (tok0 - q_start)};
   const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
-  TilePrefetcher none;
-  attend(kv, rows, 0, rows.limit(rows.rows - 1) + 1, s, none);
+  const int64_t end = rows.limit(rows.rows - 1) + 1;
+  TilePrefetcher pf(item_tiles(a, PartRange{seq, 0, end}, kv_head), ItemTiles{}, false);
+  attend(kv, rows, 0, end, s, pf);
   for (int64_t r = 0; r < rows.rows; ++r)
     store_normalised(a, tok0 + r / group, kv_head * group + r % group, s.acc + r * d, s.l[r], s.kbuf);
 }

@@ -1,11 +1,14 @@
-// Software prefetch for decode attention: a stream that runs a fixed distance ahead of the tiles
-// attend_d reads, across the end of one work item into the next one the same thread runs.
+// Software prefetch for paged attention: a stream that runs a fixed distance ahead of the tiles
+// attend_d reads, across the end of one decode work item into the next one the same thread runs.
 //
 // Why: a decode item reads each of its K/V tiles once, from tiles scattered over the pool, and one
 // tile's math takes about as long as its load from DRAM; the hardware prefetcher cannot guess the
 // next tile's address. Prefetching only the next tile left most loads waiting (SmolLM2's 64
 // sequences x 160 tokens in a bf16 cache ran at a third of the speed of the same data in L3), and
-// every item's first tiles missed outright. Included by attention_impl.h inside the ISA namespace.
+// every item's first tiles missed outright. Prefill items stream their tiles the same way (within
+// the item): a 4k-token Llama-3-8B prompt, whose K/V outgrows the L3, ran 1.03-1.09x faster than with
+// the next-tile prefetches it had before, prompts in cache level. Included by attention_impl.h inside
+// the ISA namespace.
 #pragma once
 
 // Bytes kept in flight ahead of the reads: enough lines to cover DRAM latency at this core's share of
@@ -14,7 +17,7 @@
 // cache 16 KiB cost small batches up to ~20%, 4-8 KiB nothing.
 constexpr int64_t kPrefetchDistanceBytes = 8 << 10;
 
-// The tiles of one decode item in the order attend_d reads them: per chunk, its K tiles, then its V
+// The tiles of one work item in the order attend_d reads them: per chunk, its K tiles, then its V
 // tiles. A cursor walks them without a division per tile (the walk runs once per tile attend_d reads,
 // and with the data in cache a tile's math is only a few hundred cycles).
 struct ItemTiles {
@@ -58,7 +61,6 @@ struct TileCursor {
 // then the next item's.
 class TilePrefetcher {
  public:
-  TilePrefetcher() = default;  // inactive: prefill keeps attend_d's own next-tile prefetches
   // already_issued: this thread's previous item was the one before this and issued this item's
   // first `distance` lines.
   TilePrefetcher(const ItemTiles& current, const ItemTiles& next, bool already_issued)
@@ -69,11 +71,8 @@ class TilePrefetcher {
     issue_to(distance_);
   }
 
-  bool active() const { return lines_per_tile_ > 0; }
-
   // attend_d has read one more tile.
   void consumed() {
-    if (!active()) return;
     consumed_ += lines_per_tile_;
     issue_to(consumed_ + distance_);
   }
