@@ -87,15 +87,35 @@ float cache_unit(const AttentionArgs& a, float scale) {
   return a.cache_dtype == DType::kFloat8E4M3 ? scale * kFp8HalfFactor : 1.f;
 }
 
+// Where one KV head's tiles sit in the pool ([num_blocks, num_kv_heads, block_size, head_size]).
+struct TileStrides {
+  int64_t tile_bytes = 0;   // one (block, KV head) tile
+  int64_t block_bytes = 0;  // one pool block, all KV heads
+  int64_t head_offset = 0;  // this KV head's tile within a block
+
+  const char* at(const void* cache, int32_t block) const {
+    return static_cast<const char*>(cache) + int64_t(block) * block_bytes + head_offset;
+  }
+};
+
+TileStrides tile_strides(const AttentionArgs& a, int64_t kv_head) {
+  TileStrides t;
+  t.tile_bytes = a.block_size * a.head_size * element_size(a.cache_dtype);
+  t.block_bytes = a.num_kv_heads * t.tile_bytes;
+  t.head_offset = kv_head * t.tile_bytes;
+  return t;
+}
+
+// The K/V tiles of one sequence and KV head.
 struct KVSource {
   const AttentionArgs& a;
   const int32_t* table;  // this sequence's block_tables row
-  int64_t kv_head;
+  TileStrides strides;
 
-  const char* tile_address(const void* cache, int64_t b) const {
-    const int64_t offset = ((int64_t(table[b]) * a.num_kv_heads + kv_head) * a.block_size) * a.head_size;
-    return static_cast<const char*>(cache) + offset * element_size(a.cache_dtype);
-  }
+  KVSource(const AttentionArgs& args, int64_t seq, int64_t kv_head)
+      : a(args), table(args.block_tables + seq * args.max_blocks_per_seq), strides(tile_strides(args, kv_head)) {}
+
+  const char* tile_address(const void* cache, int64_t b) const { return strides.at(cache, table[b]); }
 
   // Pointer to a [n, head_size] fp32 view of K or V for logical block b; 16-bit and fp8 caches
   // convert into buf (fp8: in units of cache_unit(), see load_fp8_as_scaled_float).
@@ -279,9 +299,7 @@ ItemTiles item_tiles(const AttentionArgs& a, const PartRange& r, int64_t kv_head
   t.key_cache = static_cast<const char*>(a.key_cache);
   t.value_cache = static_cast<const char*>(a.value_cache);
   t.table = a.block_tables + r.seq * a.max_blocks_per_seq;
-  t.tile_bytes = bs * a.head_size * element_size(a.cache_dtype);
-  t.block_bytes = a.num_kv_heads * t.tile_bytes;
-  t.head_offset = kv_head * t.tile_bytes;
+  t.strides = tile_strides(a, kv_head);
   t.first_block = r.begin / bs;
   t.num_blocks = (r.end - r.begin + bs - 1) / bs;
   t.blocks_per_chunk = chunk_tokens(a) / bs;
@@ -296,7 +314,7 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
   const int64_t num_parts = p.part_offset[seq + 1] - p.part_offset[seq];
   Scratch s = carve(a, group, scratch);
   load_query(a, seq, kv_head * group, group, 0, s);
-  const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
+  const KVSource kv(a, seq, kv_head);
   // The next item, when this thread runs it: prefetching another core's tiles only costs this one.
   // (before_next implies a next item exists.)
   const bool last_head = kv_head + 1 == a.num_kv_heads;
@@ -351,7 +369,7 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   Scratch s = carve(a, ntok * group, scratch);
   for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
   const RowSet rows{ntok * group, group, context + (tok0 - q_start)};
-  const KVSource kv{a, a.block_tables + seq * a.max_blocks_per_seq, kv_head};
+  const KVSource kv(a, seq, kv_head);
   const int64_t end = rows.limit(rows.rows - 1) + 1;
   TilePrefetcher pf(item_tiles(a, PartRange{seq, 0, end}, kv_head), ItemTiles{}, false);
   attend(kv, rows, 0, end, s, pf);

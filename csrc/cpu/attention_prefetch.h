@@ -24,9 +24,7 @@ struct ItemTiles {
   const char* key_cache = nullptr;  // null: no item
   const char* value_cache = nullptr;
   const int32_t* table = nullptr;  // the sequence's block_tables row
-  int64_t tile_bytes = 0;          // one (block, KV head) tile
-  int64_t block_bytes = 0;         // one pool block, all KV heads
-  int64_t head_offset = 0;         // this KV head's tile within a block
+  TileStrides strides;
   int64_t first_block = 0, num_blocks = 0, blocks_per_chunk = 1;
 
   int64_t count() const { return key_cache ? 2 * num_blocks : 0; }
@@ -47,7 +45,7 @@ struct TileCursor {
   const char* address(const ItemTiles& t) const {
     const bool key = r < in_chunk;
     const int64_t b = t.first_block + chunk_start + (key ? r : r - in_chunk);
-    return (key ? t.key_cache : t.value_cache) + int64_t(t.table[b]) * t.block_bytes + t.head_offset;
+    return t.strides.at(key ? t.key_cache : t.value_cache, t.table[b]);
   }
 
   void advance(const ItemTiles& t) {
@@ -64,7 +62,7 @@ class TilePrefetcher {
   // already_issued: this thread's previous item was the one before this and issued this item's
   // first `distance` lines.
   TilePrefetcher(const ItemTiles& current, const ItemTiles& next, bool already_issued)
-      : items_{current, next}, lines_per_tile_((current.tile_bytes + 63) / 64),
+      : items_{current, next}, lines_per_tile_((current.strides.tile_bytes + 63) / 64),
         distance_(imax(1, kPrefetchDistanceBytes / 64)) {
     if (already_issued) skip(imin(distance_, current.count() * lines_per_tile_));
     cursor_.seek(items_[which_], tile_);
