@@ -38,8 +38,7 @@ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 int64_t element_size(DType t) { return t == DType::kFloat ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
 
-// Online-softmax step: the chunk's scores stay in L1/L2, and a whole chunk of V tiles (then of the
-// next K tiles) is prefetched while the current ones are used.
+// Online-softmax step: a chunk's scores stay in L1/L2 between its K and V passes.
 int64_t chunk_tokens(const AttentionArgs& a) { return imax(a.block_size, 128); }
 constexpr int64_t kMaxChunkTiles = 128;  // a chunk's tiles at most (block size 1)
 
@@ -133,6 +132,14 @@ struct KVSource {
 
 #include "attention_prefetch.h"
 
+// An accumulator row moves to a new running max: acc *= alpha = exp(m_old - m_new) (a no-op at 1).
+KVPAGE_KERNEL_INLINE
+void rescale_row(float* acc, int64_t d, float alpha) {
+  if (alpha == 1.f) return;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+}
+
 // Rows r see tokens at positions <= first_pos + r / group (causal); decode passes group = rows.
 struct RowSet {
   int64_t rows, group, first_pos;
@@ -167,11 +174,7 @@ struct RowScores {
         continue;
       }
       const float alpha = exp_nonpositive(s.m[r] - m_new);
-      if (alpha != 1.f) {
-        float* ac = s.acc + r * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ac[i] *= alpha;
-      }
+      rescale_row(s.acc + r * d, d, alpha);
       s.l[r] = s.l[r] * alpha + exp_and_sum(sc, n, m_new);
       s.m[r] = m_new;
     }

@@ -6,8 +6,8 @@
 // next tile's address. Prefetching only the next tile left most loads waiting (SmolLM2's 64
 // sequences x 160 tokens in a bf16 cache ran at a third of the speed of the same data in L3), and
 // every item's first tiles missed outright. Prefill items stream their tiles the same way (within
-// the item): a 4k-token Llama-3-8B prompt, whose K/V outgrows the L3, ran 1.03-1.09x faster than with
-// the next-tile prefetches it had before, prompts in cache level. Included by attention_impl.h inside
+// the item): a 4k-token Llama-3-8B prompt, whose K/V outgrows the L3, ran 0.97-1.18x as fast as with
+// the next-tile prefetches it had before (alternating runs), prompts in cache level within noise. Included by attention_impl.h inside
 // the ISA namespace.
 #pragma once
 

@@ -4,7 +4,8 @@
 // with a vector of rows' query elements, and the scores land by token (scoreT [token][rp]) without a
 // horizontal sum (row-by-row dot products, microkernels.h, ran at about half the FMA peak in L1 on
 // AVX2, held back by those sums; at 16 lanes a head of 64 leaves each sum only 4 FMAs). The online
-// softmax then runs eight rows per vector. Values reuse block_values, reading p by token.
+// softmax then runs a vector of rows at a time. Values reuse block_values_tiles, reading p by token,
+// a whole chunk per pass.
 // Included by attention_impl.h inside the ISA namespace, after RowScores, the layout it mirrors.
 #pragma once
 
@@ -126,12 +127,7 @@ void wide_softmax(int64_t rows, int64_t rp, int64_t n, int64_t d, float* sT, flo
     L::store(m + r0, m_new);
     alignas(64) float alphas[W];
     L::store(alphas, alpha);
-    for (int64_t r = r0; r < imin(rows, r0 + W); ++r) {
-      if (alphas[r - r0] == 1.f) continue;
-      float* ac = acc + r * d;
-      const __m256 w = _mm256_set1_ps(alphas[r - r0]);
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(ac + i, _mm256_mul_ps(w, _mm256_loadu_ps(ac + i)));
-    }
+    for (int64_t r = r0; r < imin(rows, r0 + W); ++r) rescale_row(acc + r * d, d, alphas[r - r0]);
   }
 }
 
