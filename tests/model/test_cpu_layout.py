@@ -8,10 +8,9 @@ import torch
 from kvpage.model import cpu_layout
 from kvpage.model.cpu_layout import prepack_linear_weights
 from kvpage.ops import reference
-from tiny_models import random_prompts, tiny_model
+from tiny_models import needs_slab_kernels, random_prompts, tiny_model
 
-PACKINGS = [pytest.param("slabs", marks=pytest.mark.skipif(not cpu_layout.slab_kernel_available(),
-                                                             reason="no AVX2 / AVX-512: the slab kernel is not used")),
+PACKINGS = [pytest.param("slabs", marks=needs_slab_kernels),
             pytest.param("mkl", marks=pytest.mark.skipif(not cpu_layout.mkl_packing_available(),
                                                           reason="torch built without MKL"))]
 

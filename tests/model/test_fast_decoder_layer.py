@@ -9,7 +9,7 @@ from kvpage.model.cpu_layout import prepack_linear_weights
 from kvpage.model.fused_layers import fuse_small_layers
 from kvpage.model.loader import set_kvpage_attention
 from test_runner_api import BLOCK, prefill_input
-from tiny_models import model_pair, random_prompts
+from tiny_models import model_pair, needs_slab_kernels, random_prompts
 
 
 def _two_steps(runner, prompts):
@@ -20,6 +20,7 @@ def _two_steps(runner, prompts):
     return first, runner.execute(ModelInput(decode))
 
 
+@needs_slab_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_lean_layers_match_the_module_path_bitwise(family, monkeypatch):
     prompts = random_prompts([7, 12, 3])
@@ -45,6 +46,7 @@ def test_outside_a_step_the_layer_runs_its_own_code():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@needs_slab_kernels
 def test_a_layer_of_another_shape_is_left_alone():
     _, model = model_pair("llama")
     layer = model.model.layers[0]
@@ -53,6 +55,7 @@ def test_a_layer_of_another_shape_is_left_alone():
     assert "forward" not in vars(layer) and "forward" in vars(model.model.layers[1])
 
 
+@needs_slab_kernels
 def test_a_layer_without_separate_projections_is_left_alone():
     """Same children, but one projection missing (a fused qkv_proj family): checked, not installed."""
     _, model = model_pair("llama")
@@ -76,3 +79,18 @@ def test_a_deepcopy_runs_the_module_path():
     twin = ModelRunner(copy.deepcopy(model), num_kv_blocks=16, block_size=BLOCK)
     for a, b in zip(_two_steps(runner, prompts), _two_steps(twin, prompts)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_without_slab_kernels_the_runner_keeps_hf_code(family, monkeypatch):
+    """Where the slab GEMM cannot run (no AVX2 / AVX-512, or KVPAGE_CPU_ISA=generic), no layer or
+    model forward is swapped, and the steps still compute HF's logits."""
+    monkeypatch.setattr("kvpage.model.cpu_layout.slab_kernel_available", lambda: False)
+    reference, model = model_pair(family)
+    prompts = random_prompts([7, 12])
+    runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
+    assert runner._lean is None and not any("forward" in vars(layer) for layer in model.model.layers)
+    logits = runner.execute(prefill_input(prompts))
+    with torch.no_grad():
+        want = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

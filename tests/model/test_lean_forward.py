@@ -7,9 +7,10 @@ import torch
 from kvpage.model import ModelRunner
 from test_fast_decoder_layer import _two_steps
 from test_runner_api import BLOCK
-from tiny_models import model_pair, random_prompts
+from tiny_models import model_pair, needs_slab_kernels, random_prompts
 
 
+@needs_slab_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_lean_forward_matches_hf_model_forward_bitwise(family, monkeypatch):
     prompts = random_prompts([7, 12, 3])
@@ -25,6 +26,7 @@ def test_the_lean_forward_matches_hf_model_forward_bitwise(family, monkeypatch):
         assert torch.equal(a, b)
 
 
+@needs_slab_kernels
 def test_a_layer_left_to_its_own_code_keeps_hf_model_forward():
     _, model = model_pair("llama")
     model.model.layers[1].extra_norm = torch.nn.LayerNorm(model.config.hidden_size)  # no fused op for it

@@ -6,7 +6,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvpage import ops
 from kvpage.model import (AttentionMetadata, ModelInput, ModelRunner, SequenceInput, kv_cache_bytes_per_block,
                           kvpage_attention_forward, num_blocks_for_memory, set_forward_context)
-from tiny_models import model_pair, random_prompts, tiny_model
+from tiny_models import model_pair, needs_slab_kernels, random_prompts, tiny_model
 
 BLOCK = 8
 
@@ -46,7 +46,7 @@ def _attention_kernels(runner, batch) -> list[str]:
     return [e.name for e in prof.events() if e.name in names]
 
 
-@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("lean", [pytest.param(True, marks=needs_slab_kernels), False])
 def test_decode_steps_use_the_decode_kernel(lean, monkeypatch):
     if not lean:  # HF's module path: the kvpage attention function picks the kernel
         monkeypatch.setattr("kvpage.model.runner.install_fast_decoder_layers", lambda model: 0)

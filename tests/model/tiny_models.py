@@ -3,10 +3,19 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvpage import ops
+from kvpage.model import cpu_layout
+
 VOCAB = 128
+
+# The lean layer and model forwards run on the slab GEMM kernels, which only AVX-512 and AVX2 have;
+# elsewhere (or with KVPAGE_CPU_ISA=generic) the runner keeps HF's code, which other tests cover.
+needs_slab_kernels = pytest.mark.skipif(not cpu_layout.slab_kernel_available(),
+                                        reason=f"no slab kernels on CPU ISA {ops.cpu_isa()!r} (AVX-512 / AVX2 only)")
 
 
 def tiny_config(family: str, **overrides):
