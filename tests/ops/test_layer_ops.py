@@ -50,6 +50,16 @@ def test_greedy_sample_matches_reference(cpu_isa, rows, vocab, seed):
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [49152, 151936])  # SmolLM2's and Qwen2's vocabularies
+def test_greedy_logprob_over_a_real_vocabulary(cpu_isa, vocab):
+    """A log-softmax over ~50k-150k entries: a float running sum would drift ~1e-4 from logsumexp."""
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    tokens, logprobs = greedy_sample(logits)
+    expected = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits.double(), dim=-1)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-5)
+
+
 def test_greedy_ties_pick_the_first_and_nan_wins(cpu_isa):
     logits = torch.zeros(3, 40)
     logits[0, [5, 17, 33]] = 2.0
