@@ -201,7 +201,8 @@ CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, con
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
                     " entries for ", key.size(0), " tokens");
   check_disjoint(key_cache, "key_cache", value_cache, "value_cache");
-  for (const auto& [input, name] : {std::pair<const at::Tensor&, const char*>{key, "key"}, {value, "value"}}) {
+  for (const auto& [input, name] : {std::pair<const at::Tensor&, const char*>{key, "key"}, {value, "value"},
+                                    {slot_mapping, "slot_mapping"}}) {
     check_disjoint(input, name, key_cache, "key_cache");
     check_disjoint(input, name, value_cache, "value_cache");
   }
@@ -245,6 +246,10 @@ std::pair<int64_t, int64_t> check_swap_pairs(at::TensorList src, at::TensorList 
     for (size_t j = 0; j < dst.size(); ++j)
       TORCH_CHECK_VALUE(!memory_overlaps(src[i], dst[j]), "src[", i, "] and dst[", j,
                         "] share memory; they must not overlap");
+  for (size_t i = 0; i < dst.size(); ++i)  // the copies into them run in parallel
+    for (size_t j = i + 1; j < dst.size(); ++j)
+      TORCH_CHECK_VALUE(!memory_overlaps(dst[i], dst[j]), "dst[", i, "] and dst[", j,
+                        "] share memory; each must be a tensor of its own");
   return {src_blocks, dst_blocks};
 }
 
@@ -281,10 +286,20 @@ void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& 
   const auto slots = slot_mapping.cpu();
   const int64_t* p = slots.data_ptr<int64_t>();
   const int64_t num_slots = cache.num_blocks * cache.block_size;
+  std::vector<std::pair<int64_t, int64_t>> written;  // (slot, token)
+  written.reserve(size_t(slots.numel()));
   for (int64_t i = 0; i < slots.numel(); ++i) {
     TORCH_CHECK_VALUE(p[i] >= -1 && p[i] < num_slots, "slot_mapping[", i, "] = ", p[i],
                       " is outside the cache's ", num_slots, " slots (-1 skips a token)");
+    if (p[i] >= 0) written.emplace_back(p[i], i);
   }
+  // Tokens are written in parallel: two into one slot would leave whichever thread came last.
+  std::sort(written.begin(), written.end());
+  const auto twice = std::adjacent_find(written.begin(), written.end(),
+                                        [](const auto& a, const auto& b) { return a.first == b.first; });
+  TORCH_CHECK_VALUE(twice == written.end(), "slot_mapping[", twice->second, "] and slot_mapping[",
+                    (twice + 1)->second, "] both write slot ", twice->first,
+                    "; each slot takes at most one token per call");
 }
 
 void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
@@ -313,6 +328,18 @@ void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks
     TORCH_CHECK_VALUE(!dsts.count(p[2 * i]), "block_mapping reads block ", p[2 * i],
                       " that it also overwrites (order-dependent result)");
   }
+}
+
+void check_mapping_not_written(const at::Tensor& block_mapping, at::TensorList written, const char* name) {
+  for (size_t i = 0; i < written.size(); ++i)
+    TORCH_CHECK_VALUE(!memory_overlaps(block_mapping, written[i]), "block_mapping and ", name, "[", i,
+                      "] share memory; the mapping must not lie in a tensor it writes");
+}
+
+void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& out,
+                                  const at::Tensor& key_cache) {
+  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
+  check_disjoint(out, "out", query_start_loc, "query_start_loc");
 }
 
 void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

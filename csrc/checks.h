@@ -46,7 +46,8 @@ CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
                   const CacheShape& cache);
 
-// reshape_and_cache's arguments; the slot range check (reads slot_mapping) when check_ranges.
+// reshape_and_cache's arguments; when check_ranges, the slot range check and that no slot is written
+// twice (both read slot_mapping).
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                              bool check_ranges, double k_scale, double v_scale, bool float32_over_16bit = false);
@@ -73,6 +74,12 @@ void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& 
 void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache);
 void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks, bool check_ranges, bool forbid_src_dst_overlap);
+// block_mapping is read while the copies write `written` (named `name`[i]): it must not lie in them.
+void check_mapping_not_written(const at::Tensor& block_mapping, at::TensorList written, const char* name);
+
+// query_start_loc's dtype, rank and device, and that out (written while it is read) does not hold it.
+void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& out,
+                                  const at::Tensor& key_cache);
 
 // query_start_loc must be non-decreasing from 0 to num_tokens, each q_len <= seq_len.
 void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

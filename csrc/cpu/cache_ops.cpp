@@ -98,6 +98,8 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                  const at::Tensor& block_mapping, bool check_ranges) {
   const int64_t num_blocks = check_layer_caches(key_caches, value_caches);
   check_block_mapping(block_mapping, num_blocks, num_blocks, check_ranges && num_blocks > 0, true);
+  check_mapping_not_written(block_mapping, key_caches, "key_caches");
+  check_mapping_not_written(block_mapping, value_caches, "value_caches");
   if (key_caches.empty()) return;
 
   const auto mapping = block_mapping.contiguous();
@@ -121,6 +123,7 @@ void swap_blocks(at::TensorList src, at::TensorList dst, const at::Tensor& block
                       "src and dst must be CPU tensors in a CPU-only swap");
   }
   check_block_mapping(block_mapping, src_blocks, dst_blocks, check_ranges, false);
+  check_mapping_not_written(block_mapping, dst, "dst");
 
   const auto mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.data_ptr<int64_t>();

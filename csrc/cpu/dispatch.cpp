@@ -47,19 +47,26 @@ const KernelTable* initial_kernels() {
   return cpu_has_avx2() ? by_name("avx2") : &generic_kernels();
 }
 
-std::atomic<const KernelTable*>& current() {
-  static std::atomic<const KernelTable*> table{initial_kernels()};
-  return table;
-}
+// Chosen at first use, not at load: a bad KVPAGE_CPU_ISA then raises in that op (and in every op
+// until set_isa picks one), instead of failing a static initialiser that set_isa could not undo.
+std::atomic<const KernelTable*> current{nullptr};
 
 }  // namespace
 
-const KernelTable& active_kernels() { return *current().load(); }
+const KernelTable& active_kernels() {
+  const KernelTable* table = current.load();
+  if (table == nullptr) {
+    const KernelTable* expected = nullptr;
+    current.compare_exchange_strong(expected, initial_kernels());  // a racing set_isa wins
+    table = current.load();
+  }
+  return *table;
+}
 
 void set_isa(const std::string& name) {
   const KernelTable* table = by_name(name);
   TORCH_CHECK_VALUE(table != nullptr, "isa '", name, "' is not available on this CPU");
-  current().store(table);
+  current.store(table);
 }
 
 std::vector<std::string> available_isas() {

@@ -136,7 +136,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                              double scale, bool check_ranges, double k_scale, double v_scale) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            0, check_ranges, k_scale, v_scale);
-  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
+  check_query_start_loc_tensor(query_start_loc, out, key_cache);
   TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1,
                     "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
                     " entries, got ", query_start_loc.size(0));

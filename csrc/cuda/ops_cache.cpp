@@ -89,6 +89,8 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
   const int64_t num_blocks = check_layer_caches(key_caches, value_caches);
   // block_mapping is CPU data: checking it never syncs.
   check_block_mapping(block_mapping, num_blocks, num_blocks, check_ranges && num_blocks > 0, true);
+  check_mapping_not_written(block_mapping, key_caches, "key_caches");
+  check_mapping_not_written(block_mapping, value_caches, "value_caches");
   if (key_caches.empty()) return;
   TORCH_CHECK_VALUE(key_caches[0].is_cuda(), "key_caches must be CUDA tensors in a CUDA copy_blocks");
   if (block_mapping.size(0) == 0) return;
@@ -126,6 +128,7 @@ void swap_blocks(at::TensorList src, at::TensorList dst, const at::Tensor& block
     }
   }
   check_block_mapping(block_mapping, src_blocks, dst_blocks, check_ranges, false);  // CPU data: no sync
+  check_mapping_not_written(block_mapping, dst, "dst");
   if (src.empty() || block_mapping.size(0) == 0) return;
   TORCH_CHECK_VALUE(device.has_value(), "swap_blocks on CUDA needs a CUDA tensor in src or dst");
   const c10::cuda::CUDAGuard guard(*device);

@@ -1,5 +1,9 @@
 """Bad input: every op raises ValueError / TypeError naming the argument, and leaves the caches as
 they were (checks run before any write). Each case changes one argument of a valid call."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -206,6 +210,8 @@ RESHAPE_AND_CACHE_ERRORS = [
     case("slot-past-cache", ValueError, r"slot_mapping\[3\] = 96", slot_mapping=torch.tensor([0, 17, -1, 96])),
     case("slot-below-minus-one", ValueError, r"slot_mapping\[3\] = -2", slot_mapping=torch.tensor([0, 17, -1, -2])),
     case("slot-mapping-list", TypeError, "slot_mapping", slot_mapping=[0, 17, -1, 95]),
+    case("slot-written-twice", ValueError, r"slot_mapping\[1\] and slot_mapping\[3\] both write slot 17",
+         slot_mapping=torch.tensor([0, 17, -1, 17])),
     case("key-not-a-tensor", TypeError, "key", key=lambda a: a["key"].tolist()),
     case("value-cache-is-key-cache", ValueError, "key_cache and value_cache share memory",
          value_cache=lambda a: a["key_cache"]),
@@ -288,6 +294,7 @@ SWAP_BLOCKS_ERRORS = BLOCK_MAPPING_ERRORS + [
     case("dst-is-src", ValueError, r"src\[0\] and dst\[0\] share memory", dst=lambda a: a["src"]),
     case("dst-crosses-src", ValueError, r"src\[1\] and dst\[0\] share memory",
          dst=lambda a: [a["src"][1], a["dst"][1]]),
+    case("dst-twice", ValueError, r"dst\[0\] and dst\[1\] share memory", dst=lambda a: [a["dst"][0], a["dst"][0]]),
 ]
 
 
@@ -307,6 +314,55 @@ def test_bad_input_is_rejected(op, make_args, changes, error, match):
 
 
 # -- aliasing ------------------------------------------------------------------------------------------
+
+
+def index_inside(t, values, dtype):
+    """A tensor of values (dtype) stored in t's own memory, at its start."""
+    view = t.reshape(-1).view(dtype)[: len(values)]
+    view.copy_(torch.tensor(values, dtype=dtype))
+    return view
+
+
+# (op, valid arguments, the index argument, the written tensor it is placed in, where in it): each
+# index tensor is read while the op writes, so one inside a written tensor would be overwritten
+# mid-call and then used as offsets. The places are ones the valid call does not itself write.
+INDEX_INSIDE_WRITTEN = [
+    (ops.reshape_and_cache, cache_write_args, "slot_mapping", "key_cache", lambda t: t[3]),
+    (ops.reshape_and_cache, cache_write_args, "slot_mapping", "value_cache", lambda t: t[3]),
+    (ops.paged_prefill_attention, prefill_args, "query_start_loc", "out", lambda t: t),
+    (ops.copy_blocks, copy_args, "block_mapping", "key_caches", lambda t: t[1][5]),
+    (ops.copy_blocks, copy_args, "block_mapping", "value_caches", lambda t: t[0][5]),
+    (ops.swap_blocks, swap_args, "block_mapping", "dst", lambda t: t[1][5]),
+]
+
+
+@pytest.mark.parametrize("op, make_args, name, inside, where", INDEX_INSIDE_WRITTEN,
+                         ids=[f"{c[0].__name__}-{c[2]}-in-{c[3]}" for c in INDEX_INSIDE_WRITTEN])
+def test_index_tensors_must_not_lie_in_what_the_op_writes(op, make_args, name, inside, where):
+    args = make_args()
+    if inside == "out":
+        args["out"] = torch.empty_like(args["query"])
+    values = args[name]
+    args[name] = index_inside(where(args[inside]), values.flatten().tolist(), values.dtype).view(values.shape)
+    assert_rejected(op, args, ValueError, rf"(?=.*{name})(?=.*{inside}).*share memory", list(args.values()))
+
+
+def test_a_bad_kvpage_cpu_isa_raises_in_ops_until_set_cpu_isa_picks_one():
+    code = (
+        "import pytest, torch\n"
+        "from kvpage import ops\n"
+        "with pytest.raises(RuntimeError, match='KVPAGE_CPU_ISA=sse9 is not available'):\n"
+        "    ops.cpu_isa()\n"
+        "ops.set_cpu_isa('generic')\n"
+        "assert ops.cpu_isa() == 'generic'\n"
+        "k, v = ops.allocate_kv_cache(2, 16, 1, 64)\n"
+        "q = torch.randn(1, 2, 64)\n"
+        "out = ops.paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))\n"
+        "ref = ops.reference.paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))\n"
+        "torch.testing.assert_close(out, ref)\n")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVPAGE_CPU_ISA": "sse9"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("op, make_args", [(ops.paged_attention, decode_args),
