@@ -140,8 +140,8 @@ def test_a_request_that_can_never_fit_is_rejected_and_the_rest_keep_running():
     s.add_request("ok", [1, 2, 3], max_tokens=8)
     with pytest.raises(ValueError, match=r"request 'big'.*num_kv_blocks"):
         s.add_request("big", list(range(1, 60)), max_tokens=8)
-    with pytest.raises(ValueError, match=r"request 'long'.*max_model_len=100"):
-        s.add_request("long", [1] * 90, max_tokens=11)
+    with pytest.raises(ValueError, match=r"request 'long': prompt of 101 tokens exceeds max_model_len=100"):
+        s.add_request("long", [1] * 101, max_tokens=1)
     with pytest.raises(ValueError, match="max_tokens"):
         s.add_request("zero", [1], max_tokens=0)
     with pytest.raises(ValueError, match="already in use"):
@@ -152,13 +152,16 @@ def test_a_request_that_can_never_fit_is_rejected_and_the_rest_keep_running():
     assert_pool_whole(bm)
 
 
-def test_a_sequence_reaching_max_model_len_finishes_with_length():
+@pytest.mark.parametrize("prompt_len, max_tokens, outputs", [(6, 4, 4), (6, 9, 4), (10, 3, 1)])
+def test_a_sequence_reaching_max_model_len_finishes_with_length(prompt_len, max_tokens, outputs):
+    """As in vLLM's LLM: max_tokens past max_model_len is accepted and the sequence stops there (a
+    prompt of exactly max_model_len still samples its one token)."""
     s = _scheduler(max_model_len=10)
-    request = s.add_request("a", [1] * 6, max_tokens=4, eos_token_id=None)
+    request = s.add_request("a", [1] * prompt_len, max_tokens=max_tokens, eos_token_id=None)
     runner = FakeRunner(4)
     while s.has_unfinished_requests():
         _step(s, runner)
-    assert request.status is RequestStatus.FINISHED_LENGTH and len(request.seqs[0].output_token_ids) == 4
+    assert request.status is RequestStatus.FINISHED_LENGTH and len(request.seqs[0].output_token_ids) == outputs
 
 
 def test_misuse_raises_clear_errors():

@@ -181,6 +181,7 @@ def test_a_penalised_row_without_its_history_is_an_error():
 @pytest.mark.parametrize("name,value", [
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
     ("repetition_penalty", float("nan")), ("repetition_penalty", "1.2"), ("repetition_penalty", True),
+    ("repetition_penalty", 1e300), ("repetition_penalty", 1e-300),  # inf / 0 in float32, where logits live
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", float("nan")),
     ("presence_penalty", None), ("frequency_penalty", 3.0), ("frequency_penalty", float("-inf")),
     ("frequency_penalty", "0"), ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", False),
@@ -216,6 +217,22 @@ def test_edge_values_are_accepted():
     SamplingParams(repetition_penalty=1e-3, presence_penalty=-2, frequency_penalty=2.0, min_p=1, min_tokens=16,
                    logprobs=0, include_stop_str_in_output=True)
     SamplingParams(beam_width=3, include_stop_str_in_output=True)
+
+
+@pytest.mark.parametrize("penalty", [3.4e38, 1.2e-38])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_extreme_repetition_penalty_keeps_to_the_allowed_tokens(penalty, temperature):
+    """Penalties at float32's ends overflow a seen logit (to -inf or inf, the row's softmax to nan);
+    the penalised logit stays finite, so the row still samples an allowed token, never a masked one."""
+    logits = _logits(1, seed=9)
+    logits[0, 39], logits[0, 7] = -2.0, 5.0  # both seen: the penalty pushes 39 down and 7 up (or the reverse)
+    params = SamplingParams(temperature=temperature, seed=1, allowed_token_ids=[7, 39], repetition_penalty=penalty)
+    rows = [SampleRow(params, prompt_token_ids=[39, 7], output_token_ids=[39])]
+    got = apply_logits_processors(logits.clone(), rows)
+    assert bool(got[0, [7, 39]].isfinite().all()) and bool((got[0].isinf() == ~torch.isin(torch.arange(VOCAB),
+                                                                                             torch.tensor([7, 39]))).all())
+    for _ in range(5):
+        assert Sampler()(logits.clone(), rows).tokens[0][0] in (7, 39)
 
 
 def test_allowed_token_ids_then_logit_bias_come_first_in_vllms_order():

@@ -94,7 +94,8 @@ def test_bad_llm_arguments():
     ("block_size", 0), ("block_size", -16), ("block_size", "16"), ("block_size", 16.0), ("block_size", True),
     ("block_size", 24), ("block_size", 512), ("seed", "x"), ("seed", 1.5), ("seed", True), ("seed", 2**64),
     ("enable_prefix_caching", "no"), ("enable_prefix_caching", 1), ("tokenizer", 42), ("tokenizer", object()),
-    ("tokenizer", "/no/such/tokenizer"), ("preemption_mode", "later"),
+    ("tokenizer", "/no/such/tokenizer"), ("preemption_mode", "later"), ("swap_space_gib", float("inf")),
+    ("swap_space_gib", float("nan")), ("swap_space_gib", True), ("swap_space_gib", -1), ("dtype", "bogus"),
 ])
 def test_bad_llm_arguments_are_named_before_the_model_loads(monkeypatch, name, value):
     def load_model(*args, **kwargs):
@@ -146,6 +147,27 @@ def test_streaming_step_outputs_are_incremental(llm):
     final = llm.generate(PROMPTS[4], params, use_tqdm=False)[0].outputs[0]
     assert seen[-1].outputs[0].text == final.text and final.text.startswith(seen[4].outputs[0].text)
     assert seen[-1].metrics["ttft"] > 0
+
+
+def test_text_is_the_decode_of_the_tokens_with_or_without_stop_strings_or_streaming(llm):
+    """An output that ends inside a multi-byte character: the incremental detokenizer (stop strings,
+    streaming) holds that character back while it waits for its other bytes; at the end its text is
+    still the whole decode, U+FFFD included, as without stop strings."""
+    prompt = "日本語で自己紹介してください。"  # greedy output splits characters across tokens
+    tokenizer = llm.get_tokenizer()
+    lengths = range(1, 13)
+    for stop in (None, ["never-in-output"]):
+        outs = llm.generate([prompt] * len(lengths), [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True,
+                                                                     stop=stop) for k in lengths], use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        assert texts == [tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
+        assert any(t.endswith("\ufffd") for t in texts)  # the case in question did occur
+    engine = llm.llm_engine
+    engine.add_request("stream", prompt, SamplingParams(temperature=0, max_tokens=lengths[-1], ignore_eos=True))
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += [o for o in engine.step() if o.request_id == "stream"]
+    assert streamed[-1].finished and streamed[-1].outputs[0].text == texts[-1]
 
 
 def test_abort_frees_blocks(llm):

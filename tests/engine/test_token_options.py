@@ -81,6 +81,33 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_add_request(llm):
     assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_waiting"] == 0
 
 
+def test_a_string_prompt_whose_token_ids_the_model_cannot_embed_is_refused(llm):
+    """Another model's tokenizer: its ids would index past the embedding mid-step (a device assert on
+    CUDA); refused by name at add_request, and the engine runs on."""
+    import kvpage
+    from tiny_models import tiny_model
+
+    small = kvpage.LLM(model=tiny_model("llama"), tokenizer=llm.get_tokenizer(), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="prompt 0: the tokenizer gives this prompt token ids .* vocab_size=128"):
+        small.generate("Hello there, how are you?", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_min_tokens_with_nothing_but_stop_tokens_to_sample_is_refused(llm):
+    """min_tokens holds back every stop token; with nothing else allowed no token could come out (the
+    row would be all -inf), so the request is refused at add_request instead of sampling garbage."""
+    eos = llm.llm_engine.config.eos_token_ids[0]
+    vocab = llm.runner.vocab_size
+    for params in (SamplingParams(min_tokens=2, max_tokens=4, allowed_token_ids=[eos]),
+                   SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=list(range(vocab)))):
+        with pytest.raises(ValueError, match="min_tokens=2: every token the request may sample"):
+            llm.generate(PROMPTS[1], params, use_tqdm=False)
+    fine = SamplingParams(temperature=0, min_tokens=2, max_tokens=4, allowed_token_ids=[eos, 11])
+    assert llm.generate(PROMPTS[1], fine, use_tqdm=False)[0].outputs[0].token_ids[:2] == [11, 11]
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_waiting"] == 0
+
+
 def test_greedy_bad_words_match_hf_bad_words_ids(llm, hf_model, hf_greedy, prompt_ids):
     picks = [1, 4]
     # The first greedy word of prompt 1, and a two-token run from the middle of prompt 4's greedy output.

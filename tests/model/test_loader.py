@@ -140,8 +140,9 @@ def test_llm_rejects_a_dtype_before_converting_the_model():
 
 def test_sliding_window_caps_max_model_len():
     """The kernels attend over the whole sequence, which is the model's windowed attention only within
-    the window: LLM caps max_model_len there, refuses a longer request up front, and inside the window
-    its greedy tokens equal HF generate's."""
+    the window: LLM caps max_model_len there (a longer prompt is refused up front, a longer output
+    stops at the window with finish reason "length"), and inside the window its greedy tokens equal
+    HF generate's."""
     import copy
 
     import torch
@@ -163,8 +164,11 @@ def test_sliding_window_caps_max_model_len():
     got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     want = reference.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, min_new_tokens=14)
     assert got == want[0, len(prompt):].tolist()
-    with pytest.raises(ValueError, match="max_model_len=24"):
-        llm.generate([prompt], kvpage.SamplingParams(temperature=0, max_tokens=15), use_tqdm=False)
+    capped = llm.generate([prompt], kvpage.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert capped.token_ids == got and capped.finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt of 25 tokens exceeds max_model_len=24"):
+        llm.generate([random_prompts([25])[0]], params, use_tqdm=False)
 
 
 def test_no_sliding_window_keeps_max_position_embeddings():
@@ -175,6 +179,21 @@ def test_no_sliding_window_keeps_max_position_embeddings():
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64)) == 512  # not in use
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64, use_sliding_window=True,
                                       max_window_layers=1, num_hidden_layers=2)) == 64
+
+
+def test_dtype_auto_keeps_the_models_dtype():
+    """vLLM's default spelling: the model as it is (as dtype=None)."""
+    import torch
+
+    import kvpage
+
+    llm = kvpage.LLM(model=tiny_model("llama"), num_kv_blocks=16, dtype="auto")
+    assert llm.runner.model.dtype == torch.float32
+    params = kvpage.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = kvpage.LLM(model=tiny_model("llama"), num_kv_blocks=16)
+    prompt = [1, 5, 9, 3]
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_seed_none_draws_a_fresh_engine_seed():

@@ -40,10 +40,11 @@ class SchedulerStats:
 
 
 def check_max_model_len(num_prompt: int, max_tokens: int, max_model_len: int | None, prefix: str = "") -> int:
-    """prompt + max_tokens, or ValueError (message led by prefix) where it exceeds max_model_len: the
-    check add_request and beam search's up-front check share."""
+    """The most tokens the sequence can reach: prompt + max_tokens, capped at max_model_len, where a
+    sequence stops with finish reason "length" as in vLLM's LLM (the check add_request and beam
+    search's up-front check share). ValueError (message led by prefix) for a prompt longer than
+    max_model_len, which could not even be computed."""
+    if max_model_len is not None and num_prompt > max_model_len:
+        raise ValueError(f"{prefix}prompt of {num_prompt} tokens exceeds max_model_len={max_model_len}")
     total = num_prompt + max_tokens
-    if max_model_len is not None and total > max_model_len:
-        raise ValueError(f"{prefix}prompt of {num_prompt} tokens + max_tokens={max_tokens} = {total}"
-                         f" exceeds max_model_len={max_model_len}")
-    return total
+    return total if max_model_len is None else min(total, max_model_len)

@@ -58,7 +58,7 @@ class _BeamRun:
         self.engine, self.runner = llm.llm_engine, llm.runner
         self.bm = self.engine.block_manager
         self.k, self.params, self.prompt_len = params.beam_width, params, len(prompt_ids)
-        self.max_len = self.prompt_len + params.max_tokens
+        self.max_len = check_max_model_len(self.prompt_len, params.max_tokens, self.engine.config.max_model_len)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.config.eos_token_ids))
         self.stops = stops
         self.keep = max(2, 1 + len(stops)) * self.k

@@ -18,6 +18,7 @@ class IncrementalDetokenizer:
     text: str = ""
     prefix_offset: int = 0  # into the output tokens: where the decode window starts
     read_offset: int = 0  # output tokens already turned into text
+    stopped: bool = False  # the text was cut at a stop string: nothing more joins it
 
     def update(self, tokenizer, token_ids: list[int]) -> str:
         """Append the text of the output tokens added since the last call; returns the new text."""
@@ -33,6 +34,18 @@ class IncrementalDetokenizer:
         self.text += new
         self.prefix_offset, self.read_offset = self.read_offset, len(out)
         return new
+
+    def flush(self, tokenizer, token_ids: list[int]) -> None:
+        """At the sequence's end: the text of tokens still held back (an incomplete UTF-8 character
+        comes out as U+FFFD, as tokenizer.decode gives it), so that the text is the decode of every
+        output token, whether or not the request streamed or had stop strings."""
+        out = token_ids[self.prompt_len:]
+        if self.stopped or len(out) <= self.read_offset:
+            return
+        skip = self.skip_special_tokens
+        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        self.text += tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=skip)[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(out)
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, int] | None:

@@ -52,8 +52,10 @@ class LLM:
         _check_optional_positive("num_kv_blocks", num_kv_blocks)
         _check_optional_positive("max_num_batched_tokens", max_num_batched_tokens)
         _check_optional_positive("max_num_seqs", max_num_seqs)
-        if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float)) and swap_space_gib >= 0):
-            raise ValueError(f"swap_space_gib must be a number >= 0 or None, got {swap_space_gib!r}")
+        if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float))
+                                               and not isinstance(swap_space_gib, bool)
+                                               and 0 <= swap_space_gib < float("inf")):
+            raise ValueError(f"swap_space_gib must be a finite number >= 0 or None, got {swap_space_gib!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         seed = resolve_seed(seed)

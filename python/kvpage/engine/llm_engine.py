@@ -95,8 +95,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
                     *, prompt_token_ids: list[int] | None = None, stream: bool = True,
                     cache_salt: str | None = None) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) if it can never run: too long for
-        the model (max_model_len) or for the whole KV cache, as vLLM's add_request does.
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run: a prompt longer
+        than max_model_len, too long for the whole KV cache, or min_tokens with nothing but stop tokens
+        to sample, as vLLM's add_request does (an output reaching max_model_len stops there, "length").
         stream=False: step() reports it only once finished, and its text is decoded once at the end.
         cache_salt (vLLM's): the request shares prefix-cache blocks only with requests of the same salt."""
         params = params if params is not None else SamplingParams()
@@ -108,6 +109,10 @@ class LLMEngine:
         text, token_ids = self.request_prompt(prompt, prompt_token_ids, params)
         eos, *more_eos = self.config.eos_token_ids or (None,)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
+        # What min_tokens holds back: eos (unless ignore_eos) and every other stop token id.
+        held_back = stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())
+        if params.min_tokens:
+            self._check_min_tokens_reachable(params, held_back)
         request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
                                              eos_token_id=eos, stop_token_ids=stop_ids,
                                              ignore_eos=params.ignore_eos,
@@ -120,7 +125,7 @@ class LLMEngine:
         if params.bad_words:
             state.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.min_tokens:
-            state.stop_ids = tuple(sorted(stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())))
+            state.stop_ids = tuple(sorted(held_back))
         for sample in state.samples:
             if state.needs_detok:
                 sample.detok = IncrementalDetokenizer(len(token_ids), params.skip_special_tokens)
@@ -138,6 +143,17 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         return text, token_ids
+
+    def _check_min_tokens_reachable(self, params: SamplingParams, stop_ids: set[int]) -> None:
+        """min_tokens holds back every stop token; where nothing else may be sampled (allowed_token_ids,
+        or the whole vocabulary, all stop tokens) no token could come out at all."""
+        vocab = getattr(self.runner, "vocab_size", None)
+        candidates = params.allowed_token_ids if params.allowed_token_ids is not None else (
+            range(vocab) if vocab is not None else None)
+        if candidates is not None and all(t in stop_ids for t in candidates):
+            raise ValueError(f"min_tokens={params.min_tokens}: every token the request may sample"
+                             f" ({'allowed_token_ids' if params.allowed_token_ids is not None else 'the vocabulary'})"
+                             f" is a stop token, which min_tokens holds back")
 
     def _check_token_options(self, params: SamplingParams) -> None:
         """Token ids the options name must lie in the vocabulary (an index past it would fail mid-step);
@@ -161,15 +177,19 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
-        if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise ValueError("prompt must be a string or a non-empty list of int token ids")
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        else:
+            text, token_ids = None, list(prompt) if isinstance(prompt, (list, tuple)) else []
+            if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt must be a string or a non-empty list of int token ids")
         vocab = getattr(self.runner, "vocab_size", None)
-        if min(token_ids) < 0 or (vocab is not None and max(token_ids) >= vocab):
-            raise ValueError(f"prompt token ids must lie in [0, vocab_size={vocab}),"
-                             f" got {min(token_ids)}..{max(token_ids)}")
-        return None, token_ids
+        if token_ids and (min(token_ids) < 0 or (vocab is not None and max(token_ids) >= vocab)):
+            got = f"{min(token_ids)}..{max(token_ids)}"
+            if text is not None:  # an index past the embedding would fail mid-step (on CUDA: a device assert)
+                raise ValueError(f"the tokenizer gives this prompt token ids {got}, outside the model's vocabulary"
+                                 f" [0, vocab_size={vocab}): is it another model's tokenizer?")
+            raise ValueError(f"prompt token ids must lie in [0, vocab_size={vocab}), got {got}")
+        return text, token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -332,6 +352,7 @@ class LLMEngine:
             span = find_stop(sample.detok.text, len(new), params.stop)
             if span is not None:
                 sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
+                sample.detok.stopped = True
                 self._finish_sequence(state.request, seq)
 
     def _finish_sequence(self, request: Request, seq) -> None:
@@ -352,6 +373,8 @@ class LLMEngine:
             token_ids = seq.output_token_ids
             reason = request.finish_reasons.get(seq.seq_id)
             if sample.detok is not None:
+                if finished:
+                    sample.detok.flush(self.tokenizer, seq.token_ids)
                 text = sample.detok.text
             elif self.tokenizer is not None and finished:
                 text = self.tokenizer.decode(token_ids, skip_special_tokens=state.params.skip_special_tokens)

@@ -133,8 +133,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF's rule for seen tokens: logit * penalty where negative, logit / penalty otherwise (a penalty
-    > 1 makes a seen token less likely either way)."""
-    return torch.where(logits < 0, logits * penalty, logits / penalty)
+    > 1 makes a seen token less likely either way). A finite logit stays finite (a large penalty would
+    overflow it to -inf, or a small one to inf, and the row's softmax to nan); a masked one stays -inf."""
+    limit = torch.finfo(logits.dtype).max
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty).clamp(-limit, limit)
+    return torch.where(logits.isfinite(), penalised, logits)
 
 
 def flat_token_index(token_ids: list[list[int]], vocab: int) -> torch.Tensor:

@@ -47,11 +47,13 @@ def resolve_tokenizer(tokenizer):
 def resolve_dtype(dtype):
     # Checked before the model loads: a model object is converted in place (model.to), so a dtype the
     # kernels cannot take must not reach it.
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
+    if dtype is None or dtype == "auto":  # vLLM's spelling of "as the model has it"
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype must be None, torch.float32 / float16 / bfloat16 or one of {sorted(_DTYPES)},"
+    raise ValueError(f"dtype must be None, 'auto', torch.float32 / float16 / bfloat16 or one of {sorted(_DTYPES)},"
                      f" got {dtype!r}")
 
 

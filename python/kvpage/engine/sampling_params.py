@@ -16,6 +16,8 @@ def _is_number(value) -> bool:
 
 # The largest finite float32: logits are float32, so a bias beyond it becomes inf there.
 _FLOAT32_MAX = 3.4028234663852886e38
+# The smallest normal float32: a penalty below it is 0 or subnormal there (1 / it overflows).
+_FLOAT32_TINY = 1.1754943508222875e-38
 
 # Containers a list of stops may come in (order never matters: the earliest match wins).
 _COLLECTIONS = (list, tuple, set, frozenset)
@@ -161,10 +163,11 @@ class SamplingParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
     def _check_logits_options(self) -> None:
-        """vLLM's ranges. An infinite repetition_penalty would turn seen logits into 0 or -inf, and
-        inf - inf = nan, so it must be finite as well as > 0."""
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        """vLLM's ranges. repetition_penalty (> 0) must also be a normal float32, where the logits live:
+        1e300 there is inf and 1e-300 is 0, which would turn seen logits into inf, -inf or nan."""
+        if not _is_number(self.repetition_penalty) or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a number > 0 within float32's normal range"
+                             f" [{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
