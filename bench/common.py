@@ -3,6 +3,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -21,8 +22,7 @@ def median_time(fn, iters=10, warmup=2, min_seconds=0.0):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)
 
 
 def _cpu_times() -> tuple[int, int] | None:

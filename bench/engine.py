@@ -13,7 +13,8 @@ bench/results/engine.json and engine.png and prints a table.
 This machine's speed drifts by +-15% over minutes, so kvpage and vLLM take turns: ROUNDS timed runs each
 per setting, alternating (vLLM's engine stays up between its runs), every round on its own variant of the
 prompts (another first token, so no round hits another's prefix cache; same shapes, same work). Reported:
-each system's median run, and kvpage/vLLM as the median of the per-round ratios. The HF baselines, ~5x
+each system's median run (of an even number, the slower middle one), and kvpage/vLLM as the median of
+the per-round ratios (of an even number, the mean of the middle two). The HF baselines, ~5x
 slower, run once.
 
     bash bench/peers/setup_vllm.sh    # once: vLLM CPU in ~/.cache/kvpage/vllm-venv
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,7 +71,7 @@ def _flop_rate(product, n: int, iters: int, samples: int) -> float:
         for _ in range(iters):
             product()
         rates.append(2 * n**3 * iters / (time.perf_counter() - start))
-    return sorted(rates)[samples // 2]
+    return statistics.median(rates)
 
 
 def model_flops(config, num_tokens: int, context_sum: int, num_sampled: int) -> float:
@@ -238,20 +240,25 @@ def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache
             peer.close()
     out = {name: median_run(ours)}
     if roofs:
-        out["roofline"] = {**sorted(roofs, key=lambda r: r["fraction"])[len(roofs) // 2],
+        out["roofline"] = {**middle_run(roofs, "fraction"),
                            "fractions": [r["fraction"] for r in roofs]}
     if with_vllm:
         out[peer_name] = {"error": peer_error} if peer_error else median_run(theirs)
         if not peer_error:
             ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs)]
-            out[f"paired_speedup_vs_{peer_name}"] = {"median": sorted(ratios)[len(ratios) // 2], "rounds": ratios}
+            out[f"paired_speedup_vs_{peer_name}"] = {"median": statistics.median(ratios), "rounds": ratios}
     return out
 
 
+def middle_run(runs: list[dict], key: str) -> dict:
+    """The run at the median of runs[key]; of an even number, the lower of the middle two (a run is
+    reported whole, so it cannot be their mean; the upper one would flatter every system)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
 def median_run(runs: list[dict]) -> dict:
-    """The run with the median output tokens/s, and every run's figure."""
-    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
-    return {**ranked[len(ranked) // 2], "runs_tok_s": [r["output_tok_s"] for r in runs]}
+    """The run with the median output tokens/s (middle_run), and every run's figure."""
+    return {**middle_run(runs, "output_tok_s"), "runs_tok_s": [r["output_tok_s"] for r in runs]}
 
 
 def tokenized(workload, tokenizer, rounds: int):

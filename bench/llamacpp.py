@@ -22,6 +22,7 @@ over minutes); every round and npl has its own prompt, so nothing carries over i
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def report(args, npls, ours, theirs) -> dict:
         kv = [o["output_tok_s"] for o in ours[n]]
         ll = [output_tok_s(t) for t in theirs[n]]
         ratios = [a / b for a, b in zip(kv, ll)]
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        med = statistics.median  # of an even number of rounds: the mean of the middle two
         results.append({"npl": n, "kvpage_output_tok_s": kv, "llamacpp_output_tok_s": ll,
                         "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
                         "llamacpp_layout": [t["layout"] for t in theirs[n]],
