@@ -25,15 +25,10 @@ class IncrementalDetokenizer:
         out = token_ids[self.prompt_len:]
         if len(out) <= self.read_offset:
             return ""
-        skip = self.skip_special_tokens
-        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        full = tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=skip)
+        prefix, full = self._window(tokenizer, out)
         if full.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character: wait for its next byte-token
-        new = full[len(prefix):]
-        self.text += new
-        self.prefix_offset, self.read_offset = self.read_offset, len(out)
-        return new
+        return self._append(full[len(prefix):], len(out))
 
     def flush(self, tokenizer, token_ids: list[int]) -> None:
         """At the sequence's end: the text of tokens still held back (an incomplete UTF-8 character
@@ -42,10 +37,19 @@ class IncrementalDetokenizer:
         out = token_ids[self.prompt_len:]
         if self.stopped or len(out) <= self.read_offset:
             return
+        prefix, full = self._window(tokenizer, out)
+        self._append(full[len(prefix):], len(out))
+
+    def _window(self, tokenizer, out: list[int]) -> tuple[str, str]:
+        """The decode window's text up to the read tokens, and up to the last one."""
         skip = self.skip_special_tokens
-        prefix = tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        self.text += tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=skip)[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(out)
+        return (tokenizer.decode(out[self.prefix_offset:self.read_offset], skip_special_tokens=skip),
+                tokenizer.decode(out[self.prefix_offset:], skip_special_tokens=skip))
+
+    def _append(self, new: str, num_read: int) -> str:
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, num_read
+        return new
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, int] | None:
