@@ -84,10 +84,13 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_add_request(llm):
 def test_a_string_prompt_whose_token_ids_the_model_cannot_embed_is_refused(llm):
     """Another model's tokenizer: its ids would index past the embedding mid-step (a device assert on
     CUDA); refused by name at add_request, and the engine runs on."""
-    import kvpage
-    from tiny_models import tiny_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    small = kvpage.LLM(model=tiny_model("llama"), tokenizer=llm.get_tokenizer(), num_kv_blocks=16)
+    import kvpage
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    small = kvpage.LLM(model=model, tokenizer=llm.get_tokenizer(), num_kv_blocks=16)
     with pytest.raises(ValueError, match="prompt 0: the tokenizer gives this prompt token ids .* vocab_size=128"):
         small.generate("Hello there, how are you?", SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
