@@ -79,3 +79,19 @@ def get_backend(name, asan=False):
                  cache.copy_blocks, cache.swap_blocks):
         setattr(faces, face.__name__, _bound(face, module))
     return Backend("emu", "cpu", faces, module)
+
+
+def end_if_context_broken(nodeid):
+    """After a GPU test: a kernel fault (illegal address, device assert) leaves the process's CUDA
+    context unusable, and every later test in it would fail for that reason alone. Under
+    pytest-xdist the worker exits, so xdist reports this test as crashed and starts a fresh
+    worker for the rest; in a plain run the session stops, naming the test."""
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception as error:  # noqa: BLE001 - any failure here means the context is gone
+        message = f"CUDA context broken after {nodeid}: {str(error).strip().splitlines()[0][:300]}"
+        print(message, file=sys.stderr, flush=True)
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            os._exit(3)
+        pytest.exit(message, returncode=3)

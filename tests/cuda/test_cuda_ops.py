@@ -11,7 +11,7 @@ device) are GPU-only: test_cuda_devices.py."""
 import pytest
 import torch
 
-from cuda_backends import BACKENDS, get_backend
+from cuda_backends import BACKENDS, end_if_context_broken, get_backend
 from kvpage import ops
 from kvpage.ops import reference
 
@@ -23,6 +23,8 @@ def backend(request):
     global B
     B = get_backend(request.param)
     yield B
+    if B.name == "cuda":
+        end_if_context_broken(request.node.nodeid)
     B = None
 
 # The one place for tolerances: fp32 differs from the reference only in summation order;
