@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
     p.add_argument("--flex", action="store_true", help="also time torch flex_attention over the paged cache")
+    p.add_argument("--sweep-partitions", action="store_true",
+                   help="decode rows also time every fixed partition size (the data behind the automatic split)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     p.add_argument("--out", default=None, help="JSON path (default $OUT/kernels_cuda.json or bench/results/)")
     return p.parse_args(argv)
@@ -137,7 +139,10 @@ def flex_paged_decode(torch, query, key_cache, value_cache, tables, seq_lens):
     return fn
 
 
-def bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen):
+SWEEP_PARTITIONS = (128, 256, 512, 1024, 2048, 4096)
+
+
+def bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen, sweep=False):
     hq, hkv, d = SHAPES[name]
     key_cache, value_cache, tables = paged_cache(torch, ops, batch, ctx, hkv, d, gen)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -153,6 +158,13 @@ def bench_decode(torch, ops, timer, name, batch, ctx, copy_bw, flex, gen):
         row["fixed512_s"] = timer(lambda: ops.paged_attention(query, key_cache, value_cache, tables, seq_lens,
                                                               out=out, partition_size=512))
         row["auto_over_fixed512"] = t_paged / row["fixed512_s"]
+    if sweep:
+        # ctx itself: one partition, the single pass.
+        row["partition_s"] = {size: timer(lambda: ops.paged_attention(query, key_cache, value_cache, tables, seq_lens,
+                                                                      out=out, partition_size=size))
+                              for size in SWEEP_PARTITIONS + (ctx,) if size <= ctx}
+        best = min(row["partition_s"], key=row["partition_s"].get)
+        row["best_partition"], row["auto_over_best"] = best, t_paged / row["partition_s"][best]
     k, v = dense_kv(key_cache, tables), dense_kv(value_cache, tables)
     q4 = query.unsqueeze(2)
     try:
@@ -351,7 +363,8 @@ def cases(args):
         return lambda torch, ops, timer, bw, gen: bench_decode_fp8(torch, ops, timer, batch, ctx, bw, gen)
 
     def decode(name, batch, ctx, flex):
-        return lambda torch, ops, timer, bw, gen: bench_decode(torch, ops, timer, name, batch, ctx, bw, flex, gen)
+        return lambda torch, ops, timer, bw, gen: bench_decode(torch, ops, timer, name, batch, ctx, bw, flex, gen,
+                                                               args.sweep_partitions)
 
     def prefill(name, tokens):
         return lambda torch, ops, timer, bw, gen: bench_prefill(torch, ops, timer, name, tokens, gen)
@@ -438,6 +451,8 @@ def print_table(result):
             ratio = f"{r['paged_over_flash']:8.2f}" if "paged_over_flash" in r else f"{'n/a':>8}"
             err = f"{r['max_abs_err_vs_flash']:8.1e}" if "max_abs_err_vs_flash" in r else f"{'-':>8}"
             vs512 = f"  auto/p512 {r['auto_over_fixed512']:5.2f}" if "auto_over_fixed512" in r else ""
+            if "best_partition" in r:
+                vs512 += f"  auto/best {r['auto_over_best']:5.2f} (p{r['best_partition']})"
             print(f"{r['kind']:8} {r['shape']:10} {size:>12} {fmt_t(r['paged_s'])} {rate:10.1f} {frac} "
                   f"{fmt_t(r.get('flash_s'))} {ratio} {flex} {err}{vs512}")
             for key in ("flash_error", "flex_error"):

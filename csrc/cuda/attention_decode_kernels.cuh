@@ -16,6 +16,7 @@
 // pre-scale and v_scale into the final normalisation, so the loop does no extra multiplies.
 #pragma once
 
+#include <atomic>
 #include <cfloat>
 
 #include "attention_decode.h"
@@ -31,6 +32,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 template <typename Cache, int HEAD, int GT>
 struct DecodeConfig {
@@ -49,6 +51,30 @@ struct DecodeConfig {
   // enough that q, the accumulators and the loads stay in registers. Half-width loads get
   // twice the tokens, so the bytes in flight stay the same.
   static constexpr int kUnroll = (GT <= 4 ? 4 : 2) * (16 / kLoadBytes);
+  static constexpr int kStepTokens = kTokenGroups * kUnroll;  // tokens of one compute step
+
+  // K/V stream through shared memory in a ring of kStages stages filled by cp.async, so about
+  // (kStages - 1) stages of every resident CTA are in flight while it computes: enough bytes
+  // outstanding per SM to cover DRAM latency, with no registers held for them. A stage is a
+  // whole number of steps, about 16 KiB of K + V; the ring about 48 KiB, so 4 CTAs fit an SM
+  // (a 64 KiB ring, 3 per SM, ran grids of ~4 CTAs per SM in two waves on an H200).
+  static constexpr int kRowBytes = HEAD * int(sizeof(Cache));  // a K or V row's shared-memory slot
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kStageSteps = cmax(1, 16384 / (2 * kRowBytes * kStepTokens));
+  static constexpr int kStageTokens = kStepTokens * kStageSteps;
+  static constexpr int kStageBytes = 2 * kStageTokens * kRowBytes;
+  static constexpr int kStages = cmin(3, cmax(2, 49152 / kStageBytes));
+  // The ring, then a validity byte per staged token (padded to 16 bytes).
+  static constexpr int kValidOffset = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kValidOffset + (kStages * kStageTokens + 15) / 16 * 16;
+  // After the loop the ring holds the warps' states for the final merge.
+  static constexpr int kMergeBytes = int(sizeof(float)) * kDecodeWarps * GT * (HEAD + 2);
+  static_assert(kMergeBytes <= kValidOffset, "the merge reuses the K/V ring");
+  static_assert(kRowBytes % 16 == 0, "rows are whole 16-byte chunks");
+  // Resident CTAs per SM the register budget aims at: 4 (at most 128 registers) where q and
+  // the accumulators take at most 64 floats per lane; GQA tiles of 8 and fp8's wide loads
+  // hold more and settle for 2.
+  static constexpr int kMinBlocksPerSm = GT * kNv * kVec <= 32 ? 4 : 2;
 };
 
 struct RowRange {
@@ -93,9 +119,74 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
   m = m_new;
 }
 
+// One compute step of a token group: kUnroll tokens (K rows kv, V rows vv, this lane's share)
+// folded into the online-softmax state (m, l, acc) of each of the GT query heads.
+template <typename Cache, int HEAD, int GT, typename C = DecodeConfig<Cache, HEAD, GT>,
+          int kAcc = C::kNv * C::kVec>
+__device__ __forceinline__ void attend_step(const float (&q)[GT][kAcc],
+                                            const typename C::Load (&kv)[C::kUnroll][C::kNv],
+                                            const typename C::Load (&vv)[C::kUnroll][C::kNv],
+                                            const bool (&valid)[C::kUnroll], float (&m)[GT], float (&l)[GT],
+                                            float (&acc)[GT][kAcc]) {
+  constexpr int kUnroll = C::kUnroll, kNv = C::kNv, kVec = C::kVec, kTpt = C::kTpt;
+  float s[kUnroll][GT];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float k[kAcc];
+#pragma unroll
+    for (int i = 0; i < kNv; ++i) unpack<Cache>(kv[u][i], k + i * kVec);
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) dot = fmaf(q[g][i], k[i], dot);
+#pragma unroll
+      for (int off = kTpt / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      s[u][g] = valid[u] ? dot : -INFINITY;
+    }
+  }
+
+  // One rescale per kUnroll tokens: the running max moves to the max over the step, and s
+  // becomes the step's probabilities (all 0 while nothing is visible yet).
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    float m_new = m[g];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
+    if (m_new == -INFINITY) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) s[u][g] = 0.f;
+      continue;
+    }
+    const float alpha = exp2f(m[g] - m_new);
+    l[g] *= alpha;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[g][i] *= alpha;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      s[u][g] = exp2f(s[u][g] - m_new);
+      l[g] += s[u][g];
+    }
+    m[g] = m_new;
+  }
+  // acc += p V, each V row unpacked once for all GT heads (unpacking is a large share of the
+  // loop's instructions for fp8 and 16-bit caches).
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float v[kAcc];
+#pragma unroll
+    for (int i = 0; i < kNv; ++i) unpack<Cache>(vv[u][i], v + i * kVec);
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[g][i] = fmaf(s[u][g], v[i], acc[g][i]);
+    }
+  }
+}
+
 // T: query / out element; Cache: K/V cache element (T itself, or Fp8E4M3).
 template <typename T, typename Cache, int HEAD, int GT>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kDecodeThreads, (DecodeConfig<Cache, HEAD, GT>::kMinBlocksPerSm))
     paged_decode_kernel(const AttentionParams p, const DecodeWork w) {
   using C = DecodeConfig<Cache, HEAD, GT>;
   using Load = typename C::Load;
@@ -153,84 +244,94 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const char* kc = static_cast<const char*>(p.key_cache);
   const char* vc = static_cast<const char*>(p.value_cache);
   const int64_t row_bytes = int64_t(p.head_size) * sizeof(Cache);
+  const int row_chunks = static_cast<int>(row_bytes / 16);
 
-  // The trip count is uniform across the CTA (shuffles below need every lane); token validity
-  // only masks data.
-  for (int base = begin; base < end; base += C::kTokenGroups * kUnroll) {
-    Load kv[kUnroll][kNv], vv[kUnroll][kNv];
-    bool valid[kUnroll];
+  extern __shared__ __align__(16) unsigned char smem[];
+  bool* staged_valid = reinterpret_cast<bool*>(smem + C::kValidOffset);  // [kStages][kStageTokens]
+
+  // Each thread copies 16-byte chunks of a stage (consecutive threads, consecutive chunks of a
+  // row). The block ids its chunks need are read one stage ahead (fetch_blocks), so issuing a
+  // stage's copies never waits on a block-table load.
+  constexpr int kChunks = C::kStageTokens * C::kChunksPerRow;
+  constexpr int kChunksPerThread = (kChunks + kDecodeThreads - 1) / kDecodeThreads;
+  auto fetch_blocks = [&](int first, int (&blocks)[kChunksPerThread]) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      // At step u the token groups of a warp take consecutive tokens: contiguous rows of a tile.
-      const int t = base + u * C::kTokenGroups + token_group;
-      const int block = t < end ? __ldg(table + (t >> log2_bs)) : -1;
-      valid[u] = block >= 0 && block < p.num_blocks;
-      const int64_t row_offset =
-          ((int64_t(valid[u] ? block : 0) * p.num_kv_heads + kv_head) * p.block_size +
-           (t & (p.block_size - 1))) * row_bytes;
-#pragma unroll
-      for (int i = 0; i < kNv; ++i) {
-        const int v = sub + i * kTpt;
-        const bool on = valid[u] && v < vecs;
-        kv[u][i] = on ? load_stream<Load>(kc + row_offset + v * C::kLoadBytes) : Load{};
-        vv[u][i] = on ? load_stream<Load>(vc + row_offset + v * C::kLoadBytes) : Load{};
-      }
+    for (int k = 0; k < kChunksPerThread; ++k) {
+      const int idx = threadIdx.x + k * kDecodeThreads;
+      const int t = first + idx / C::kChunksPerRow;
+      blocks[k] = idx < kChunks && t < end ? __ldg(table + (t >> log2_bs)) : -1;
     }
-
-    float s[kUnroll][GT];
+  };
+  // Issues the copies of tokens [first, first + kStageTokens) into ring slot `stage`. Tokens
+  // past `end` or with a block id outside the cache are zero-filled and marked invalid.
+  auto load_stage = [&](int first, int stage, const int (&blocks)[kChunksPerThread]) {
+    unsigned char* k_dst = smem + stage * C::kStageBytes;
+    unsigned char* v_dst = k_dst + C::kStageTokens * C::kRowBytes;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float k[kAcc];
-#pragma unroll
-      for (int i = 0; i < kNv; ++i) unpack<Cache>(kv[u][i], k + i * kVec);
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) dot = fmaf(q[g][i], k[i], dot);
-#pragma unroll
-        for (int off = kTpt / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        s[u][g] = valid[u] ? dot : -INFINITY;
-      }
+    for (int k = 0; k < kChunksPerThread; ++k) {
+      const int idx = threadIdx.x + k * kDecodeThreads;
+      if (kChunks % kDecodeThreads != 0 && idx >= kChunks) break;
+      const int r = idx / C::kChunksPerRow, c = idx % C::kChunksPerRow;
+      const int t = first + r;
+      const bool valid = blocks[k] >= 0 && blocks[k] < p.num_blocks;
+      const bool on = valid && c < row_chunks;
+      const int64_t offset =
+          on ? ((int64_t(blocks[k]) * p.num_kv_heads + kv_head) * p.block_size + (t & (p.block_size - 1))) *
+                       row_bytes + c * 16
+             : 0;
+      cp_async16(k_dst + r * C::kRowBytes + c * 16, kc + offset, on);
+      cp_async16(v_dst + r * C::kRowBytes + c * 16, vc + offset, on);
+      if (c == 0) staged_valid[stage * C::kStageTokens + r] = valid;
     }
+  };
 
-    // One rescale per kUnroll tokens: the running max moves to the max over the step, and s
-    // becomes the step's probabilities (all 0 while nothing is visible yet).
+  // The ring: stages 0 .. kStages - 2 in flight before the loop; iteration j waits for stage j,
+  // then refills the slot stage j - 1 used (every thread is past it: the barrier) with stage
+  // j + kStages - 1. One commit group per stage, empty ones included, keeps wait<kStages - 2>
+  // meaning "stage j has landed". The trip count is uniform across the CTA.
+  const int num_stages = (end - begin + C::kStageTokens - 1) / C::kStageTokens;
+  int blocks[kChunksPerThread];
 #pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float m_new = m[g];
+  for (int st = 0; st < C::kStages - 1; ++st) {
+    fetch_blocks(begin + st * C::kStageTokens, blocks);
+    if (st < num_stages) load_stage(begin + st * C::kStageTokens, st, blocks);
+    cp_async_commit();
+  }
+  fetch_blocks(begin + (C::kStages - 1) * C::kStageTokens, blocks);
+  for (int j = 0; j < num_stages; ++j) {
+    cp_async_wait<C::kStages - 2>();
+    __syncthreads();
+    const int refill = j + C::kStages - 1;
+    if (refill < num_stages) load_stage(begin + refill * C::kStageTokens, refill % C::kStages, blocks);
+    cp_async_commit();
+    fetch_blocks(begin + (refill + 1) * C::kStageTokens, blocks);  // lands while this stage computes
+
+    const int stage = j % C::kStages;
+    const unsigned char* k_src = smem + stage * C::kStageBytes;
+    const unsigned char* v_src = k_src + C::kStageTokens * C::kRowBytes;
+    const bool* valid_src = staged_valid + stage * C::kStageTokens;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
-      if (m_new == -INFINITY) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) s[u][g] = 0.f;
-        continue;
-      }
-      const float alpha = exp2f(m[g] - m_new);
-      l[g] *= alpha;
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[g][i] *= alpha;
+    for (int step = 0; step < C::kStageSteps; ++step) {
+      Load kv[kUnroll][kNv], vv[kUnroll][kNv];
+      bool valid[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        s[u][g] = exp2f(s[u][g] - m_new);
-        l[g] += s[u][g];
+        // At step u the token groups of a warp take consecutive tokens: contiguous rows.
+        const int r = step * C::kStepTokens + u * C::kTokenGroups + token_group;
+        valid[u] = valid_src[r];
+#pragma unroll
+        for (int i = 0; i < kNv; ++i) {
+          const int v = sub + i * kTpt;
+          const bool on = v < vecs;
+          kv[u][i] = on ? *reinterpret_cast<const Load*>(k_src + r * C::kRowBytes + v * C::kLoadBytes) : Load{};
+          vv[u][i] = on ? *reinterpret_cast<const Load*>(v_src + r * C::kRowBytes + v * C::kLoadBytes) : Load{};
+        }
       }
-      m[g] = m_new;
-    }
-    // acc += p V, each V row unpacked once for all GT heads (unpacking is a large share of the
-    // loop's instructions for fp8 and 16-bit caches).
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float v[kAcc];
-#pragma unroll
-      for (int i = 0; i < kNv; ++i) unpack<Cache>(vv[u][i], v + i * kVec);
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) acc[g][i] = fmaf(s[u][g], v[i], acc[g][i]);
-      }
+      attend_step<Cache, HEAD, GT>(q, kv, vv, valid, m, l, acc);
     }
   }
+  cp_async_wait<0>();  // only empty groups can remain; the ring becomes the merge's scratch
+  __syncthreads();
 
   // Merge the token groups of each warp (lanes that own the same dims differ in bits >= kTpt).
 #pragma unroll
@@ -247,8 +348,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 
   // Then the warps, through shared memory.
-  __shared__ float s_acc[kDecodeWarps][GT][HEAD];
-  __shared__ float s_m[kDecodeWarps][GT], s_l[kDecodeWarps][GT];
+  auto s_acc = reinterpret_cast<float(*)[GT][HEAD]>(smem);  // [kDecodeWarps][GT][HEAD]
+  auto s_m = reinterpret_cast<float(*)[GT]>(smem + sizeof(float) * kDecodeWarps * GT * HEAD);
+  auto s_l = s_m + kDecodeWarps;
   if (lane < kTpt) {
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
@@ -294,29 +396,44 @@ __global__ void __launch_bounds__(kDecodeThreads)
 }
 
 // Merges a row's partitions: weights 2^(m_p - max) rescale each partial sum and accumulator.
+// The partitions' maxima and sums go to shared memory in one parallel pass, so no thread walks
+// a chain of dependent global loads; each output element sums its partials 4 at a time.
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_reduce_kernel(const AttentionParams p, const DecodeWork w) {
-  extern __shared__ float s_weight[];  // [max_partitions]
+  extern __shared__ float s_part[];  // [2][max_partitions]: maxima, then weights; sums
+  float* s_weight = s_part;
+  float* s_sum = s_part + w.max_partitions;
   const int row = blockIdx.x, head = blockIdx.y;
   const int num_parts = (row_range(p, row).kv_len + w.partition_size - 1) / w.partition_size;
   const int64_t slot0 = (int64_t(row) * p.num_heads + head) * w.max_partitions;
 
-  float m_all = -INFINITY;
-  for (int i = 0; i < num_parts; ++i) m_all = fmaxf(m_all, w.tmp_max[slot0 + i]);
   for (int i = threadIdx.x; i < num_parts; i += blockDim.x) {
-    s_weight[i] = m_all == -INFINITY ? 0.f : exp2f(w.tmp_max[slot0 + i] - m_all);
+    s_weight[i] = w.tmp_max[slot0 + i], s_sum[i] = w.tmp_sum[slot0 + i];
+  }
+  __syncthreads();
+  float m_all = -INFINITY;
+  for (int i = 0; i < num_parts; ++i) m_all = fmaxf(m_all, s_weight[i]);
+  __syncthreads();  // every thread has its maximum before the maxima turn into weights
+  for (int i = threadIdx.x; i < num_parts; i += blockDim.x) {
+    s_weight[i] = m_all == -INFINITY ? 0.f : exp2f(s_weight[i] - m_all);
   }
   __syncthreads();
   float l_all = 0.f;
-  for (int i = 0; i < num_parts; ++i) l_all += w.tmp_sum[slot0 + i] * s_weight[i];
+  for (int i = 0; i < num_parts; ++i) l_all += s_sum[i] * s_weight[i];
   const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
 
   T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
+  const float* partial = w.tmp_out + slot0 * p.head_size;
   for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
-    float o = 0.f;
-    for (int i = 0; i < num_parts; ++i) o += w.tmp_out[(slot0 + i) * p.head_size + d] * s_weight[i];
-    out[d] = from_float<T>(o * inv);
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    int i = 0;
+    for (; i + 4 <= num_parts; i += 4) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] += partial[int64_t(i + k) * p.head_size + d] * s_weight[i + k];
+    }
+    for (; i < num_parts; ++i) o[0] += partial[int64_t(i) * p.head_size + d] * s_weight[i];
+    out[d] = from_float<T>((o[0] + o[1] + (o[2] + o[3])) * inv);
   }
 }
 
@@ -325,9 +442,22 @@ cudaError_t launch_decode_tile(const AttentionParams& p, const DecodeWork& w, cu
   const int group = p.num_heads / p.num_kv_heads;
   const dim3 grid(p.num_rows, p.num_kv_heads * ((group + GT - 1) / GT),
                   w.partition_size > 0 ? w.max_partitions : 1);
-  paged_decode_kernel<T, Cache, HEAD, GT><<<grid, kDecodeThreads, 0, stream>>>(p, w);
+  using C = DecodeConfig<Cache, HEAD, GT>;
+  const auto kernel = paged_decode_kernel<T, Cache, HEAD, GT>;
+  // The ring takes over 48 KiB of dynamic shared memory: an opt-in per kernel and device, once.
+  static std::atomic<uint64_t> opted_in{0};  // a bit per device
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_relaxed);
+  }
+  kernel<<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, w);
   if (w.partition_size > 0) {
-    const size_t smem = sizeof(float) * w.max_partitions;
+    const size_t smem = 2 * sizeof(float) * w.max_partitions;
     if (smem > 48 * 1024) {
       cudaFuncSetAttribute(paged_decode_reduce_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem));

@@ -19,15 +19,19 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr int64_t kPartitionTokens = 512;  // vLLM v2's partition: the split's starting size
 // Single pass once there are this many CTAs per SM anyway: partitions would add a reduce
 // launch without improving balance.
 constexpr int64_t kSinglePassCtasPerSm = 8;
-// A split grid smaller than this many CTAs per SM halves its partitions (FlashDecoding's
-// split-KV idea: a small batch must still keep every SM streaming), down to kMinPartitionTokens,
-// below which a CTA's fixed costs (loading q, merging its token groups, writing partials)
+// Otherwise the longest partitions (powers of two from kMinPartitionTokens, whole blocks) that
+// still give the grid about this many CTAs per SM, in tenths: 2.5, a little over half a wave
+// of the decode kernel's 4 per SM. Fewer, longer CTAs pay their start-up, merge and partial
+// writes less often; on an H200 (bench/kernels_cuda.py --sweep-partitions) the fastest fixed
+// partition gave grids of 2.9 to 3.9 CTAs per SM at 8k tokens (batch 16 x Llama-3: 2048-token
+// partitions, 3.9 per SM; batch 16 x SmolLM2: 1024, 2.9 per SM), and 1024-4096 ran within
+// 2% of each other at batch 64.
+constexpr int64_t kGridTenthsPerSm = 25;
+// Below this a CTA's fixed costs (loading q, merging its token groups, writing partials)
 // outweigh its share of the stream.
-constexpr int64_t kSplitCtasPerSm = 4;
 constexpr int64_t kMinPartitionTokens = 128;
 
 // The decode work split: partition_size 0 is the single pass.
@@ -41,14 +45,12 @@ struct DecodeSplit {
 // reduce reads only the ones that exist.
 DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t forced) {
   DecodeSplit split;
-  int64_t part = forced > 0 ? forced : kPartitionTokens;
+  int64_t part = forced;
   if (forced == 0) {
     if (ctas_per_partition >= kSinglePassCtasPerSm * num_sms()) return split;
-    const int64_t floor = std::max(kMinPartitionTokens, block_size);
-    // Halving stops at the floor, so a partition stays whole blocks (block sizes are powers of two <= 256).
-    while (part / 2 >= floor && ctas_per_partition * ((capacity + part - 1) / part) < kSplitCtasPerSm * num_sms()) {
-      part /= 2;
-    }
+    const int64_t target = kGridTenthsPerSm * num_sms() / 10;
+    part = std::max(kMinPartitionTokens, block_size);  // block sizes are powers of two <= 256
+    while (part < capacity && ctas_per_partition * ((capacity + 2 * part - 1) / (2 * part)) >= target) part *= 2;
   }
   const int64_t parts = (capacity + part - 1) / part;
   if (parts > 1) split.partition_size = part, split.max_partitions = parts;
