@@ -2,13 +2,16 @@
 // queries over a cache of their own dtype or an fp8 (e4m3) one, sm_80+ (fp32 queries prefill
 // through attention_decode).
 //
-// One CTA takes a tile of 64 query tokens of one sequence and one query head; its 4 warps own
-// 16 query rows each. K/V tiles of kBlockN cache positions are gathered through the block table
-// into shared memory with cp.async, double-buffered so the next tile's gather overlaps this
-// tile's math. S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulators; the
-// softmax is online (running max and sum per row, in registers). Query position i of a sequence
-// with q_len queries and seq_len cached tokens is seq_len - q_len + i and sees positions <= it,
-// which covers plain prefill, chunked prefill and prefix-cache hits alike.
+// One CTA takes a tile of kBlockM query tokens of one sequence and one query head; its 4 warps
+// own kMTiles m16 tiles each (32 rows a warp up to head size 128, else 16). K/V tiles of kBlockN
+// cache positions are gathered through the block table into shared memory with cp.async,
+// double-buffered so the next tile's gather overlaps this tile's math. S = Q K^T and O += P V
+// run on mma.sync m16n8k16 with fp32 accumulators, operands read with ldmatrix; each K / V
+// fragment a warp reads feeds all its m-tiles, since shared-memory bandwidth, not the tensor
+// cores, bounds this loop. The softmax is online (running max and sum per row, in registers).
+// Query position i of a sequence with q_len queries and seq_len cached tokens is
+// seq_len - q_len + i and sees positions <= it, which covers plain prefill, chunked prefill and
+// prefix-cache hits alike.
 //
 // fp8 caches: cp.async lands the raw codes in a double-buffered staging area; once a tile has
 // landed, the CTA converts it into the same 16-bit mma tile the other caches gather into (every
@@ -28,16 +31,20 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr int kPrefillThreads = 128;
-constexpr int kBlockM = 64;  // query rows per CTA: 4 warps x 16
+constexpr int kPrefillThreads = 128;  // 4 warps
 constexpr float kLog2e = 1.4426950408889634f;
 
 // T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3.
 template <typename T, typename Cache, int HEAD>
 struct PrefillConfig {
   static constexpr bool kFp8 = std::is_same<Cache, Fp8E4M3>::value;
-  static constexpr int kBlockN = HEAD <= 128 ? 64 : 32;  // keeps O (HEAD/2 floats/lane) + S in registers
-  static constexpr int kStride = HEAD + 8;  // padded smem row: conflict-free fragment loads
+  // m16 tiles per warp: two (FA2's 128-row CTA) halve the shared-memory reads per mma, but their
+  // O accumulators take HEAD floats a lane, so past head size 128 a warp keeps 16 rows.
+  static constexpr int kMTiles = HEAD <= 128 ? 2 : 1;
+  static constexpr int kBlockM = 4 * 16 * kMTiles;  // query rows per CTA
+  // Keys per K/V tile: O and S (kMTiles * kBlockN / 2 floats a lane) stay in registers, unspilled.
+  static constexpr int kBlockN = HEAD <= 128 ? 64 : 32;
+  static constexpr int kStride = HEAD + 8;  // padded smem row: conflict-free ldmatrix
   static constexpr int kChunksPerRow = HEAD / 8;  // 16-byte chunks of a Q row
   static constexpr int kKeySteps = HEAD / 16;      // k-steps of S = Q K^T
   static constexpr int kSTiles = kBlockN / 8;      // n-tiles of S
@@ -55,6 +62,7 @@ struct PrefillConfig {
 };
 
 // Tile offsets: offsets[s] = sum over sequences before s of ceil(q_len / kBlockM).
+template <int kBlockM>
 __global__ void prefill_tile_offsets_kernel(const int32_t* query_start_loc, int num_seqs,
                                             int num_tokens, int32_t* offsets) {
   const int lane = threadIdx.x;
@@ -79,11 +87,107 @@ __global__ void prefill_tile_offsets_kernel(const int32_t* query_start_loc, int 
   if (lane == 0) offsets[num_seqs] = carry;
 }
 
+// S = Q K^T for a warp's kMTiles m16 tiles x kBlockN keys; q_w: the warp's first Q row, k_s:
+// the K tile (rows = keys), both row-major in smem. One ldmatrix.x4 gives an m-tile's A fragment
+// (matrices rows 0-7 / 8-15 x dims 0-7 / 8-15: lane l addresses row l % 16, dim 8 (l / 16)), one
+// more the B fragments of two n-tiles (keys 0-7 x dims 0-7 / 8-15, then keys 8-15: lane l
+// addresses key l % 8 + 8 (l / 16), dim 8 (l / 8 % 2)); each B fragment feeds every m-tile.
+template <typename C, typename T>
+__device__ __forceinline__ void warp_qk(float (&s)[C::kMTiles][C::kSTiles][4], const T* q_w, const T* k_s,
+                                        int lane) {
+  static_assert(C::kSTiles % 2 == 0, "K fragments come two n-tiles at a time");
+  const T* qa = q_w + (lane & 15) * C::kStride + (lane >> 4) * 8;
+  const T* kb = k_s + ((lane & 7) + (lane >> 4) * 8) * C::kStride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int mi = 0; mi < C::kMTiles; ++mi) {
+#pragma unroll
+    for (int n = 0; n < C::kSTiles; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.f;
+  }
+#pragma unroll
+  for (int kk = 0; kk < C::kKeySteps; ++kk) {
+    uint32_t a[C::kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; ++mi) ldmatrix_x4(a[mi], qa + mi * 16 * C::kStride + kk * 16);
+#pragma unroll
+    for (int n = 0; n < C::kSTiles; n += 2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, kb + n * 8 * C::kStride + kk * 16);
+#pragma unroll
+      for (int mi = 0; mi < C::kMTiles; ++mi) {
+        mma_16816<T>(s[mi][n], a[mi], b[0], b[1]);
+        mma_16816<T>(s[mi][n + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// One online-softmax step of an m16 tile. s: its scaled, masked logits (log2 domain); the lane
+// holds rows g (e = 0, 1) and g + 8 (e = 2, 3). Updates those rows' running max and lane-partial
+// sum, rescales their O, and leaves P = exp2(s - max) in s.
+template <int kSTiles, int kOTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], float (&o)[kOTiles][4], float (&row_max)[2],
+                                               float (&row_sum)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_max[h], mx);
+    // A row with nothing visible yet keeps a zero base so exp2f(-inf - base) is a clean 0.
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2f(row_max[h] - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        s[n][e] = exp2f(s[n][e] - base);
+        sum += s[n][e];
+      }
+    }
+    row_sum[h] = row_sum[h] * alpha + sum;  // lane-partial; the 4 lanes of a row add up at the end
+    row_max[h] = m_new;
+#pragma unroll
+    for (int i = 0; i < kOTiles; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
+  }
+}
+
+// O += P V for a warp's m-tiles. Two S n-tiles form one A fragment (FA2's register reuse); V
+// fragments come from row-major smem through ldmatrix.trans, each feeding every m-tile.
+template <typename C, typename T>
+__device__ __forceinline__ void warp_pv(float (&o)[C::kMTiles][C::kOTiles][4],
+                                        const float (&s)[C::kMTiles][C::kSTiles][4], const T* v_s, int lane) {
+  const T* vrow = v_s + ((lane & 7) + ((lane >> 3) & 1) * 8) * C::kStride + (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+    uint32_t a[C::kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; ++mi) {
+      a[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+      a[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+      a[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+      a[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int d = 0; d < C::kOTiles / 2; ++d) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, vrow + kk * 16 * C::kStride + d * 16);
+#pragma unroll
+      for (int mi = 0; mi < C::kMTiles; ++mi) {
+        mma_16816<T>(o[mi][2 * d], a[mi], b[0], b[1]);
+        mma_16816<T>(o[mi][2 * d + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 template <typename T, typename Cache, int HEAD>
 __global__ void __launch_bounds__(kPrefillThreads)
     paged_prefill_kernel(const AttentionParams p, const int32_t* __restrict__ tile_offsets) {
   using C = PrefillConfig<T, Cache, HEAD>;
-  constexpr int kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
+  constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
   constexpr int kCacheVec = C::kCacheVec, kCacheCpr = C::kCacheChunksPerRow, kStageStride = C::kStageStride;
 
   // Which (sequence, query tile): last s with tile_offsets[s] <= tile. Tiles run in reverse:
@@ -142,6 +246,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
   auto load_kv = [&](int j, int buf) {
     Cache* k_dst = stage + buf * 2 * kBlockN * kStageStride;
     Cache* v_dst = k_dst + kBlockN * kStageStride;
+    // Two rows' table lookups in flight: a full unroll hoists every row's address math into
+    // registers, which 32-row warps' accumulators leave too few of (it spills at head size 128).
+#pragma unroll 2
     for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kPrefillThreads) {
       const int r = idx / kCacheCpr, c = idx % kCacheCpr;
       const int pos = j * kBlockN + r;
@@ -176,15 +283,21 @@ __global__ void __launch_bounds__(kPrefillThreads)
 
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
-  const int wrow = warp * 16;
+  constexpr int kMTiles = C::kMTiles;
+  const int wrow = warp * 16 * kMTiles;  // the warp's first row in the tile
   const float qk_scale = p.scale * kLog2e * p.k_scale;  // k_scale: 1 but for fp8
-  // Cache positions visible to this lane's two rows (g and g + 8).
-  const int row_pos[2] = {first_pos + m0 + wrow + g, first_pos + m0 + wrow + g + 8};
+  const int warp_pos = first_pos + m0 + wrow;  // cache position of the warp's first row
+  const int warp_last_pos = warp_pos + 16 * kMTiles - 1;
 
-  float o[C::kOTiles][4];
+  float o[kMTiles][C::kOTiles][4];
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
 #pragma unroll
-  for (int i = 0; i < C::kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int i = 0; i < C::kOTiles; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
 
   for (int j = 0; j < num_kv_tiles; ++j) {
     if (j + 1 < num_kv_tiles) {
@@ -203,87 +316,38 @@ __global__ void __launch_bounds__(kPrefillThreads)
     }
     const T* v_s = k_s + kBlockN * kStride;
 
-    // S = Q K^T for this warp's 16 rows x kBlockN keys.
-    float s[C::kSTiles][4];
+    // A warp whose rows all come before the tile's first key would only mask all of it: it skips
+    // the math (warp-uniform), which the causal diagonal's last tiles leave to the later warps.
+    if (j * kBlockN <= warp_last_pos) {
+      float s[kMTiles][C::kSTiles][4];
+      warp_qk<C>(s, q_s + wrow * kStride, k_s, lane);
 #pragma unroll
-    for (int n = 0; n < C::kSTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-    for (int kk = 0; kk < C::kKeySteps; ++kk) {
-      const T* qa = q_s + (wrow + g) * kStride + kk * 16 + 2 * t;
-      uint32_t a[4];
-      a[0] = *reinterpret_cast<const uint32_t*>(qa);
-      a[1] = *reinterpret_cast<const uint32_t*>(qa + 8 * kStride);
-      a[2] = *reinterpret_cast<const uint32_t*>(qa + 8);
-      a[3] = *reinterpret_cast<const uint32_t*>(qa + 8 * kStride + 8);
+        for (int n = 0; n < C::kSTiles; ++n) {
 #pragma unroll
-      for (int n = 0; n < C::kSTiles; ++n) {
-        const T* kb = k_s + (n * 8 + g) * kStride + kk * 16 + 2 * t;
-        mma_16816<T>(s[n], a, *reinterpret_cast<const uint32_t*>(kb),
-                     *reinterpret_cast<const uint32_t*>(kb + 8));
-      }
-    }
-
-    // Causal mask + online softmax. Lane holds rows g (e = 0, 1) and g + 8 (e = 2, 3). Only a
-    // tile reaching past the warp's first row position, or past kv_end, needs the mask: for a
-    // long prompt, the diagonal and the last tiles (the test is warp-uniform).
-#pragma unroll
-    for (int n = 0; n < C::kSTiles; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= qk_scale;
-    }
-    if ((j + 1) * kBlockN - 1 > first_pos + m0 + wrow || (j + 1) * kBlockN > kv_end) {
-#pragma unroll
-      for (int n = 0; n < C::kSTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
-          if (key > row_pos[e / 2] || key >= kv_end) s[n][e] = -INFINITY;
+          for (int e = 0; e < 4; ++e) s[mi][n][e] *= qk_scale;
         }
       }
-    }
+      // Causal mask: only a tile reaching past the warp's first row position, or past kv_end,
+      // needs it (for a long prompt, the diagonal and the last tiles; the test is warp-uniform).
+      if ((j + 1) * kBlockN - 1 > warp_pos || (j + 1) * kBlockN > kv_end) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+        for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-      for (int n = 0; n < C::kSTiles; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_max[h], mx);
-      // A row with nothing visible yet keeps a zero base so exp2f(-inf - base) is a clean 0.
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(row_max[h] - base);
-      float sum = 0.f;
+          for (int n = 0; n < C::kSTiles; ++n) {
 #pragma unroll
-      for (int n = 0; n < C::kSTiles; ++n) {
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[n][e] = exp2f(s[n][e] - base);
-          sum += s[n][e];
+            for (int e = 0; e < 4; ++e) {
+              const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
+              const int row_pos = warp_pos + mi * 16 + g + 8 * (e / 2);  // this element's row
+              if (key > row_pos || key >= kv_end) s[mi][n][e] = -INFINITY;
+            }
+          }
         }
       }
-      row_sum[h] = row_sum[h] * alpha + sum;  // lane-partial; the 4 lanes of a row add up at the end
-      row_max[h] = m_new;
 #pragma unroll
-      for (int i = 0; i < C::kOTiles; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
-    }
-
-    // O += P V. Two S n-tiles form one A fragment (FA2's register reuse); V fragments come
-    // from row-major smem through ldmatrix.trans.
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const T* vrow = v_s + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
-#pragma unroll
-      for (int d = 0; d < C::kOTiles / 2; ++d) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vrow + d * 16);
-        mma_16816<T>(o[2 * d], a, b[0], b[1]);
-        mma_16816<T>(o[2 * d + 1], a, b[2], b[3]);
-      }
+      for (int mi = 0; mi < kMTiles; ++mi) online_softmax(s[mi], o[mi], row_max[mi], row_sum[mi]);
+      warp_pv<C>(o, s, v_s, lane);
     }
     __syncthreads();  // the next iteration's gather (or conversion) overwrites the tile just read
   }
@@ -291,20 +355,23 @@ __global__ void __launch_bounds__(kPrefillThreads)
 
   // Normalise and store the rows this tile owns.
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
-    const int r = m0 + wrow + g + 8 * h;
-    if (r >= q_len) continue;
-    T* out = static_cast<T*>(p.out) + int64_t(q_start + r) * p.out_row_stride + int64_t(head) * p.out_head_stride;
+  for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-    for (int i = 0; i < C::kOTiles; ++i) {
-      const int d = i * 8 + 2 * t;
-      if (d < p.head_size) {
-        out[d] = from_float<T>(o[i][2 * h] * inv);
-        out[d + 1] = from_float<T>(o[i][2 * h + 1] * inv);
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mi][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
+      const int r = m0 + wrow + mi * 16 + g + 8 * h;
+      if (r >= q_len) continue;
+      T* out = static_cast<T*>(p.out) + int64_t(q_start + r) * p.out_row_stride + int64_t(head) * p.out_head_stride;
+#pragma unroll
+      for (int i = 0; i < C::kOTiles; ++i) {
+        const int d = i * 8 + 2 * t;
+        if (d < p.head_size) {
+          out[d] = from_float<T>(o[mi][i][2 * h] * inv);
+          out[d + 1] = from_float<T>(o[mi][i][2 * h + 1] * inv);
+        }
       }
     }
   }
@@ -313,8 +380,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
 template <typename T, typename Cache, int HEAD>
 cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
   using C = PrefillConfig<T, Cache, HEAD>;
-  prefill_tile_offsets_kernel<<<1, kWarpSize, 0, stream>>>(p.query_start_loc, p.num_seqs, p.num_rows,
-                                                           offsets);
+  prefill_tile_offsets_kernel<C::kBlockM><<<1, kWarpSize, 0, stream>>>(p.query_start_loc, p.num_seqs,
+                                                                       p.num_rows, offsets);
   // Opting in above 48 KiB of dynamic shared memory is per kernel and cheap; redo it each launch
   // rather than track devices.
   cudaError_t err = cudaFuncSetAttribute(paged_prefill_kernel<T, Cache, HEAD>,
@@ -322,7 +389,7 @@ cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
   // sum of ceil(q_len / kBlockM) <= num_tokens / kBlockM + num_seqs; surplus CTAs exit at once.
-  const dim3 grid(ceil_div(p.num_rows, kBlockM) + p.num_seqs, p.num_heads);
+  const dim3 grid(ceil_div(p.num_rows, C::kBlockM) + p.num_seqs, p.num_heads);
   paged_prefill_kernel<T, Cache, HEAD><<<grid, kPrefillThreads, C::kSmemBytes, stream>>>(p, offsets);
   return cudaGetLastError();
 }

@@ -183,7 +183,21 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Four transposed 8x8 b16 matrices from shared memory (each lane gives one row address).
+// Four 8x8 b16 matrices from shared memory: lane i gives the (16-byte aligned) address of row
+// i % 8 of matrix i / 8; r[j] is matrix j's row lane / 4, columns 2 (lane % 4) and + 1, which is
+// an mma A or B fragment register read from a row-major tile (B: rows = n, e.g. K's keys).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* row_addr) {
+#ifdef KVPAGE_CUDA_EMU
+  emu::ldmatrix_x4(r, row_addr);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row_addr)));
+#endif
+}
+
+// The same, transposed: r[j] is matrix j's column lane / 4, rows 2 (lane % 4) and + 1 (a B
+// fragment from a tile stored k-major, e.g. V's rows = keys).
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* row_addr) {
 #ifdef KVPAGE_CUDA_EMU
   emu::ldmatrix_x4_trans(r, row_addr);

@@ -43,3 +43,9 @@ def test_fp8_unpack_matches_cudas_conversion(emu):
     # Every pair of non-NaN e4m3 codes: the Ampere bit trick the emulator runs equals the hardware
     # conversion Ada / Hopper use, so the emulated fp8 tests speak for both paths.
     assert emu.probe_fp8_conversion_mismatches() == 0
+
+
+def test_ldmatrix_fragments_follow_the_ptx_layout(emu):
+    # The kernels' mma operands come through ldmatrix (Q, K plain; V .trans): a lane-mapping slip
+    # in the emulator would test them against the wrong fragments.
+    assert emu.probe_ldmatrix_mismatches() == 0

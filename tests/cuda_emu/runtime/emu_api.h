@@ -28,7 +28,7 @@ void shared_decl(void* address, size_t bytes);
 
 // Warp collectives: every lane of the warp in `mask` arrives with a request; the last arrival
 // serves them all (emu_collectives.cpp).
-enum class Op : int { kShuffle, kBallot, kSyncWarp, kMmaF16, kMmaBF16, kLdmatrixX4Trans };
+enum class Op : int { kShuffle, kBallot, kSyncWarp, kMmaF16, kMmaBF16, kLdmatrixX4, kLdmatrixX4Trans };
 struct ShuffleRequest {
   uint64_t value;  // the lane's var, bit-copied (up to 8 bytes)
   int mode;        // 0 idx, 1 up, 2 down, 3 xor
@@ -87,6 +87,10 @@ Launch<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem = 0
 inline void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, bool bf16) {
   MmaRequest r{d, {a[0], a[1], a[2], a[3]}, {b0, b1}};
   warp_collective(bf16 ? Op::kMmaBF16 : Op::kMmaF16, 0xffffffffu, &r, nullptr);
+}
+inline void ldmatrix_x4(uint32_t* result, const void* row) {
+  LdmatrixRequest r{row, result};
+  warp_collective(Op::kLdmatrixX4, 0xffffffffu, &r, nullptr);
 }
 inline void ldmatrix_x4_trans(uint32_t* result, const void* row) {
   LdmatrixRequest r{row, result};

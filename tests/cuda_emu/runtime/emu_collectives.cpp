@@ -1,5 +1,5 @@
 // Warp collectives of the emulator: each is served by the last lane to arrive, from every lane's
-// request (see emu_api.h): shuffles, ballot, mma.sync.m16n8k16 and ldmatrix.x4.trans.
+// request (see emu_api.h): shuffles, ballot, mma.sync.m16n8k16 and ldmatrix.x4 (plain and .trans).
 #include <cuda_fp16.h>
 
 #include <cstring>
@@ -86,20 +86,33 @@ void serve_mma(Block& b, int warp, bool bf16) {
   }
 }
 
-// ldmatrix.sync.m8n8.x4.trans.b16: lanes 8j..8j+7 give the row addresses of matrix j (8 rows of
-// 8 16-bit elements); lane l receives r[j] = {M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]}.
-void serve_ldmatrix(Block& b, int warp) {
+// ldmatrix.sync.m8n8.x4[.trans].b16: lanes 8j..8j+7 give the row addresses of matrix j (8 rows of
+// 8 16-bit elements M_j[row][col]). With g = l / 4, t = l % 4, lane l receives
+//   plain:  r[j] = {M_j[g][2t], M_j[g][2t+1]}      (row g, from lane 8j + g's address)
+//   .trans: r[j] = {M_j[2t][g], M_j[2t+1][g]}      (column g, from lanes 8j + 2t and 8j + 2t + 1)
+// (low half first).
+void serve_ldmatrix(Block& b, int warp, bool trans) {
   Fiber* lanes = &b.fibers[warp * 32];
+  auto row = [&](int lane) {
+    return static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[lane].request)->row);
+  };
+  for (int l = 0; l < 32; ++l) {
+    if (reinterpret_cast<uintptr_t>(row(l)) % 16 != 0) {
+      fail(b, thread_name(lanes[l]) + ": ldmatrix row address not 16-byte aligned");
+    }
+  }
   for (int l = 0; l < 32; ++l) {
     auto* r = static_cast<LdmatrixRequest*>(lanes[l].request);
     const int t = l % 4, g = l / 4;
     for (int j = 0; j < 4; ++j) {
       uint16_t lo, hi;
-      const auto* row0 = static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t].request)->row);
-      const auto* row1 =
-          static_cast<const uint16_t*>(static_cast<LdmatrixRequest*>(lanes[8 * j + 2 * t + 1].request)->row);
-      std::memcpy(&lo, row0 + g, 2);
-      std::memcpy(&hi, row1 + g, 2);
+      if (trans) {
+        std::memcpy(&lo, row(8 * j + 2 * t) + g, 2);
+        std::memcpy(&hi, row(8 * j + 2 * t + 1) + g, 2);
+      } else {
+        std::memcpy(&lo, row(8 * j + g) + 2 * t, 2);
+        std::memcpy(&hi, row(8 * j + g) + 2 * t + 1, 2);
+      }
       r->r[j] = uint32_t(lo) | uint32_t(hi) << 16;
     }
   }
@@ -113,7 +126,8 @@ void serve_warp(Block& b, int warp) {
     case Op::kSyncWarp: break;
     case Op::kMmaF16: serve_mma(b, warp, false); break;
     case Op::kMmaBF16: serve_mma(b, warp, true); break;
-    case Op::kLdmatrixX4Trans: serve_ldmatrix(b, warp); break;
+    case Op::kLdmatrixX4: serve_ldmatrix(b, warp, false); break;
+    case Op::kLdmatrixX4Trans: serve_ldmatrix(b, warp, true); break;
   }
   for (int l = 0; l < 32; ++l) {
     if (w.mask >> l & 1) make_runnable(b, b.fibers[warp * 32 + l]);

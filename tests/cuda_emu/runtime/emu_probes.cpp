@@ -2,8 +2,9 @@
 // test_emu_probes.py) expect it to expose: a read past a tensor (for the ASan build), a shared
 // memory read with no barrier after the write, a barrier half the block never reaches, a read of
 // a cp.async destination before its wait_group, and dynamic shared memory beyond the default
-// 48 KiB without cudaFuncSetAttribute. Plus one cross-check: the emulator compiles the sm_80 path
+// 48 KiB without cudaFuncSetAttribute. Plus cross-checks: the emulator compiles the sm_80 path
 // of fp8x2_to_half2 (no __CUDA_ARCH__ here); it must equal CUDA's own conversion, the sm_89+ path.
+// And ldmatrix_x4 / ldmatrix_x4_trans must hand each lane the elements the PTX ISA assigns it.
 #include "cuda_emu.h"
 
 #include <string>
@@ -40,6 +41,29 @@ __global__ void early_cp_async_read_kernel(const uint4* src, int* stale_reads) {
 
 __global__ void big_smem_kernel() {}
 
+// One warp reads a 16 x 16 tile of distinct b16 values (rows kLd elements apart) as four 8x8
+// matrices, matrix j at rows 8 (j % 2), columns 8 (j / 2): lane l addresses row l % 8 of matrix
+// l / 8. Counts the registers that differ from the PTX ISA's fragments: plain, r[j] = matrix j's
+// row l / 4, columns 2 (l % 4) and + 1; .trans, its column l / 4, rows 2 (l % 4) and + 1.
+__global__ void ldmatrix_kernel(int* mismatches) {
+  constexpr int kLd = 24;  // padded like the prefill tiles: rows stay 16-byte aligned
+  alignas(16) __shared__ uint16_t tile[16 * kLd];
+  ::emu::shared_decl(&tile, sizeof(tile));
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 16 * kLd; i += 32) tile[i] = static_cast<uint16_t>(i);
+  __syncthreads();
+  const uint16_t* row = &tile[((lane / 8 % 2) * 8 + lane % 8) * kLd + lane / 16 * 8];
+  uint32_t plain[4], trans[4];
+  kvpage::cuda::ldmatrix_x4(plain, row);
+  kvpage::cuda::ldmatrix_x4_trans(trans, row);
+  const int g = lane / 4, t = lane % 4;
+  for (int j = 0; j < 4; ++j) {
+    auto at = [&](int r, int c) { return uint32_t(tile[((j % 2) * 8 + r) * kLd + j / 2 * 8 + c]); };
+    *mismatches += plain[j] != (at(g, 2 * t) | at(g, 2 * t + 1) << 16);
+    *mismatches += trans[j] != (at(2 * t, g) | at(2 * t + 1, g) << 16);
+  }
+}
+
 std::string check(cudaError_t err) { return err == cudaSuccess ? "" : cudaGetErrorString(err); }
 
 }  // namespace
@@ -74,6 +98,12 @@ int probe_early_cp_async_read() {
 std::string probe_smem_without_opt_in() {
   launch(&big_smem_kernel, dim3(1), dim3(32), 64 * 1024)();
   return check(cudaGetLastError());
+}
+
+int probe_ldmatrix_mismatches() {
+  int mismatches = 0;
+  launch(&ldmatrix_kernel, dim3(1), dim3(32))(&mismatches);
+  return cudaGetLastError() == cudaSuccess ? mismatches : -1;
 }
 
 int probe_fp8_conversion_mismatches() {
