@@ -10,7 +10,8 @@
 #   - the benchmark writes its JSON after every row and records a failing case and goes on.
 # Run from the repository root (or anywhere):
 #   bash bench/gpu_check.sh            # OUT=/some/dir bash bench/gpu_check.sh
-#   SANITIZE=1 bash bench/gpu_check.sh # also compute-sanitizer memcheck over every op (~1-2 min)
+#   SANITIZE=1 bash bench/gpu_check.sh # also compute-sanitizer memcheck + racecheck over every op (~15 s)
+#   BENCH_ARGS="--flex --sweep-partitions" bash bench/gpu_check.sh  # benchmark options (default --flex)
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -110,7 +111,7 @@ fi
 
 phase "GPU benchmark (JSON rewritten after every row: $RESULTS/kernels_cuda.json)"
 T="$(timeout_for 240 "$((SANITIZE == 1 ? 90 : 5))")"
-timeout "$T" "$PY" bench/kernels_cuda.py --flex --out "$RESULTS/kernels_cuda.json" 2>&1 |
+timeout "$T" "$PY" bench/kernels_cuda.py ${BENCH_ARGS:---flex} --out "$RESULTS/kernels_cuda.json" 2>&1 |
   tee "$RESULTS/gpu_check_bench.log"
 rc=${PIPESTATUS[0]}
 if [[ $rc -eq 0 ]]; then
@@ -123,7 +124,7 @@ else
 fi
 
 if [[ "$SANITIZE" == "1" ]]; then
-  phase "compute-sanitizer memcheck (every op once, range checks off, bad indices)"
+  phase "compute-sanitizer memcheck and racecheck (every op once, range checks off, bad indices)"
   SAN="$(command -v compute-sanitizer || true)"
   for cand in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
     [[ -z "$SAN" && -x "$cand" ]] && SAN="$cand"
@@ -132,18 +133,22 @@ if [[ "$SANITIZE" == "1" ]]; then
     echo "gpu_check: compute-sanitizer not found; skipped"
     note "sanitize: SKIPPED (no compute-sanitizer)"
   else
-    # No caching allocator: each tensor its own allocation, so memcheck sees every overrun.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(timeout_for "${SANITIZE_TIMEOUT:-150}" 0)" \
-      "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 \
-      "$PY" tests/cuda/sanitize_ops.py >"$RESULTS/gpu_check_sanitize.log" 2>&1
-    rc=$?
-    tail -30 "$RESULTS/gpu_check_sanitize.log"
-    case $rc in
-      0) note "sanitize: clean" ;;
-      99) echo "gpu_check: compute-sanitizer found MEMORY ERRORS" >&2; note "sanitize: MEMORY ERRORS"; status=1 ;;
-      124) echo "gpu_check: compute-sanitizer TIMED OUT" >&2; note "sanitize: TIMED OUT (see log for the dtypes done)"; status=1 ;;
-      *) echo "gpu_check: sanitize run FAILED (rc=$rc)" >&2; note "sanitize: FAILED rc=$rc"; status=1 ;;
-    esac
+    # memcheck: out-of-bounds and misaligned accesses (no caching allocator: each tensor its own
+    # allocation, so an access just past one is caught); racecheck: shared-memory hazards (the
+    # decode ring, the prefill tiles).
+    for tool in memcheck racecheck; do
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(timeout_for "${SANITIZE_TIMEOUT:-150}" 0)" \
+        "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 20 \
+        "$PY" tests/cuda/sanitize_ops.py >"$RESULTS/gpu_check_$tool.log" 2>&1
+      rc=$?
+      tail -4 "$RESULTS/gpu_check_$tool.log"
+      case $rc in
+        0) note "$tool: clean" ;;
+        99) echo "gpu_check: compute-sanitizer $tool found ERRORS" >&2; note "$tool: ERRORS"; status=1 ;;
+        124) echo "gpu_check: compute-sanitizer $tool TIMED OUT" >&2; note "$tool: TIMED OUT (see its log)"; status=1 ;;
+        *) echo "gpu_check: $tool run FAILED (rc=$rc)" >&2; note "$tool: FAILED rc=$rc"; status=1 ;;
+      esac
+    done
   fi
 fi
 

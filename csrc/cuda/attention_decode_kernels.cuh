@@ -158,10 +158,12 @@ __device__ __forceinline__ void attend_step(const float (&q)[GT][kAcc],
       for (int u = 0; u < kUnroll; ++u) s[u][g] = 0.f;
       continue;
     }
-    const float alpha = exp2f(m[g] - m_new);
-    l[g] *= alpha;
+    if (m_new > m[g]) {  // once the running max settles, most steps skip the (exact: x1) rescale
+      const float alpha = exp2f(m[g] - m_new);
+      l[g] *= alpha;
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[g][i] *= alpha;
+      for (int i = 0; i < kAcc; ++i) acc[g][i] *= alpha;
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       s[u][g] = exp2f(s[u][g] - m_new);

@@ -169,6 +169,14 @@ def test_prefill_heads_and_blocks(dtype, heads, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_prefill_tile_starting_at_a_warps_last_row(dtype, head_size):
+    # Cached context 33 (97): a warp's last query row sits exactly on the first key of a K/V
+    # tile (33 + 31 = 64, 97 + 31 = 128), the edge of the tensor-core kernel's tile skip.
+    run_prefill(dtype, head_size, (8, 2), 16, [150, 96], [33, 97])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_long(dtype):
     run_prefill(dtype, 128, (32, 8), 16, [1024, 300], [0, 1500])
 
