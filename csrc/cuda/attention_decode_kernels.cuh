@@ -333,6 +333,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeConfig<Cache, HEAD, GT>
     }
   }
   cp_async_wait<0>();  // only empty groups can remain; the ring becomes the merge's scratch
+  allow_dependent_launch();  // the reduce may start launching; it waits for our partials
   __syncthreads();
 
   // Merge the token groups of each warp (lanes that own the same dims differ in bits >= kTpt).
@@ -404,6 +405,7 @@ template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_reduce_kernel(const AttentionParams p, const DecodeWork w) {
   extern __shared__ float s_part[];  // [2][max_partitions]: maxima, then weights; sums
+  wait_for_prerequisite_grid();  // launched overlapping the decode kernel's tail
   float* s_weight = s_part;
   float* s_sum = s_part + w.max_partitions;
   const int row = blockIdx.x, head = blockIdx.y;
@@ -439,6 +441,37 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
+// Launches kernel<<<grid, kDecodeThreads, smem, stream>>>(args...) as a programmatic dependent
+// of the kernel before it on the stream where the device has it (sm_90+): its launch overlaps
+// that kernel's last CTAs, a few microseconds of a small batch's decode.
+template <typename... Params, typename... Args>
+cudaError_t launch_overlapping(void (*kernel)(Params...), dim3 grid, size_t smem, cudaStream_t stream,
+                               const Args&... args) {
+#ifndef KVPAGE_CUDA_EMU
+  static std::atomic<int> majors[64] = {};  // compute capability major per device, 0: not read yet
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 64) major = majors[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err != cudaSuccess) return err;
+    if (device < 64) majors[device].store(major, std::memory_order_relaxed);
+  }
+  if (major >= 9) {
+    cudaLaunchAttribute overlap[1];
+    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid, config.blockDim = dim3(kDecodeThreads), config.dynamicSmemBytes = smem;
+    config.stream = stream, config.attrs = overlap, config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+  }
+#endif
+  kernel<<<grid, kDecodeThreads, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 template <typename T, typename Cache, int HEAD, int GT>
 cudaError_t launch_decode_tile(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
   const int group = p.num_heads / p.num_kv_heads;
@@ -458,13 +491,16 @@ cudaError_t launch_decode_tile(const AttentionParams& p, const DecodeWork& w, cu
     opted_in.fetch_or(bit, std::memory_order_relaxed);
   }
   kernel<<<grid, kDecodeThreads, C::kSmemBytes, stream>>>(p, w);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   if (w.partition_size > 0) {
     const size_t smem = 2 * sizeof(float) * w.max_partitions;
     if (smem > 48 * 1024) {
       cudaFuncSetAttribute(paged_decode_reduce_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem));
     }
-    paged_decode_reduce_kernel<T><<<dim3(p.num_rows, p.num_heads), kDecodeThreads, smem, stream>>>(p, w);
+    err = launch_overlapping(paged_decode_reduce_kernel<T>, dim3(p.num_rows, p.num_heads), smem, stream, p, w);
+    if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();
 }

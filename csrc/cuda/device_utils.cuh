@@ -233,6 +233,22 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Programmatic dependent launch (Hopper): a kernel launched with launch_overlapping may start
+// while the kernel before it on the stream has CTAs left, once each of those has called
+// allow_dependent_launch (or exited); before reading what that kernel wrote it must call
+// wait_for_prerequisite_grid, which waits for its completion and its memory. No-ops before sm_90
+// and in the emulator.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- Template dispatch: the one place runtime dtype / head size become template arguments. ----
 
 // Head sizes with their own instantiation; any other multiple of 16 (<= 256) runs the next
