@@ -41,44 +41,47 @@ nvcc --version 2>&1 | tail -1
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
 
 phase "build (cmake, kernels for this GPU's arch)"
-ARCH="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")' 2>/dev/null || echo "8.0;9.0")"
-PREFIX="$("$PY" -c 'import torch, pybind11; print(torch.utils.cmake_prefix_path + ";" + pybind11.get_cmake_dir())')" ||
-  { echo "gpu_check: needs torch and pybind11 importable by $PY" >&2; exit 1; }
-EXTRA=()
-if ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1; then  # bare toolkit: torch's pip nvrtc
-  NVRTC="$("$PY" -c 'import glob,nvidia,os;print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0],"*","lib","libnvrtc.so*")))),""))' 2>/dev/null || true)"
-  [[ -n "$NVRTC" ]] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC" "-DCUDA_NVRTC_LIB=$NVRTC")
-fi
-BUILD_DIR="$ROOT/build/gpu-check"
 # PREBUILT=path/to/_C*.so: an extension built elsewhere for this machine's torch and Python (see
-# bench/prebuild_gpu.sh); used when it imports with CUDA kernels, else the build below runs.
+# bench/prebuild_gpu.sh); used when it imports with CUDA kernels, else build_extension runs.
 use_prebuilt() {
   [[ -n "${PREBUILT:-}" && -f "$PREBUILT" ]] || return 1
   cp "$PREBUILT" "$ROOT/python/kvpage/" || return 1  # Python takes the _C of its own ABI tag
   PYTHONPATH="$ROOT/python" "$PY" -c 'from kvpage import ops; assert ops.built_with_cuda'
 }
+
+build_extension() {
+  local arch prefix build_dir="$ROOT/build/gpu-check" extra=() nvrtc build_timeout
+  arch="$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")' 2>/dev/null || echo "8.0;9.0")"
+  prefix="$("$PY" -c 'import torch, pybind11; print(torch.utils.cmake_prefix_path + ";" + pybind11.get_cmake_dir())')" ||
+    { echo "gpu_check: needs torch and pybind11 importable by $PY" >&2; return 1; }
+  if ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1; then  # bare toolkit: torch's pip nvrtc
+    nvrtc="$("$PY" -c 'import glob,nvidia,os;print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0],"*","lib","libnvrtc.so*")))),""))' 2>/dev/null || true)"
+    [[ -n "$nvrtc" ]] && extra+=("-DCUDA_nvrtc_LIBRARY=$nvrtc" "-DCUDA_NVRTC_LIB=$nvrtc")
+  fi
+  # The CUDA kernels are split over ~16 files (one per dtype pair), so all cores help.
+  build_timeout="$(timeout_for 240 200)"
+  (
+    TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" timeout 60 cmake -S "$ROOT" -B "$build_dir" -G Ninja \
+      -DCMAKE_PREFIX_PATH="$prefix" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+      -DKVPAGE_OUTPUT_DIR="$ROOT/python/kvpage" "${extra[@]}" &&
+    timeout "$build_timeout" cmake --build "$build_dir" -j "$(nproc)"
+  ) >"$RESULTS/gpu_check_build.log" 2>&1
+  local rc=$?
+  tail -5 "$RESULTS/gpu_check_build.log"
+  if [[ $rc -ne 0 ]]; then
+    grep -E "error|Error" "$RESULTS/gpu_check_build.log" | head -30
+    echo "gpu_check: BUILD FAILED (rc=$rc), see $RESULTS/gpu_check_build.log" >&2
+    return 1
+  fi
+}
+
 if use_prebuilt; then
   echo "using the prebuilt extension $PREBUILT"
   note "build: prebuilt $(basename "$PREBUILT") imported in $((SECONDS - START))s"
-  rc=0
 else
-[[ -n "${PREBUILT:-}" ]] && echo "prebuilt extension ${PREBUILT} unusable: building"
-# The CUDA kernels are split over ~10 files (one per decode dtype pair), so all cores help.
-BUILD_TIMEOUT="$(timeout_for 240 200)"
-(
-  TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$ARCH}" timeout 60 cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja \
-    -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-    -DKVPAGE_OUTPUT_DIR="$ROOT/python/kvpage" "${EXTRA[@]}" &&
-  timeout "$BUILD_TIMEOUT" cmake --build "$BUILD_DIR" -j "$(nproc)"
-) >"$RESULTS/gpu_check_build.log" 2>&1
-rc=$?
-tail -5 "$RESULTS/gpu_check_build.log"
-if [[ $rc -ne 0 ]]; then
-  grep -E "error|Error" "$RESULTS/gpu_check_build.log" | head -30
-  echo "gpu_check: BUILD FAILED (rc=$rc), see $RESULTS/gpu_check_build.log" >&2
-  exit 1
-fi
-note "build: ok in $((SECONDS - START))s"
+  [[ -n "${PREBUILT:-}" ]] && echo "prebuilt extension ${PREBUILT} unusable: building"
+  build_extension || exit 1
+  note "build: ok in $((SECONDS - START))s"
 fi
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'from kvpage import ops; assert ops.built_with_cuda; print("kvpage._C built with CUDA")' || exit 1
