@@ -72,9 +72,10 @@ struct DecodeConfig {
   static_assert(kMergeBytes <= kValidOffset, "the merge reuses the K/V ring");
   static_assert(kRowBytes % 16 == 0, "rows are whole 16-byte chunks");
   // Resident CTAs per SM the register budget aims at: 4 (at most 128 registers) where q and
-  // the accumulators take at most 64 floats per lane; GQA tiles of 8 and fp8's wide loads
-  // hold more and settle for 2.
-  static constexpr int kMinBlocksPerSm = GT * kNv * kVec <= 32 ? 4 : 2;
+  // the accumulators take at most 64 floats per lane and a row takes one load per lane; GQA
+  // tiles of 8, fp8's wide loads and fp32 rows of two loads a lane hold more (they spilled at
+  // 128) and settle for 2.
+  static constexpr int kMinBlocksPerSm = GT <= 4 && kNv == 1 && GT * kVec <= 32 ? 4 : 2;
 };
 
 struct RowRange {
