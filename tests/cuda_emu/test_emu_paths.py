@@ -68,17 +68,20 @@ def decode_grid(rows, capacity):
     return added["launches"], added["blocks"]
 
 
+# The emulator reports 132 SMs (an H100 / H200), as get_backend sets: the split aims at
+# 2.5 CTAs per SM (330), single pass from 8 per SM (1056); SmolLM2 has 3 CTAs a partition.
 @pytest.mark.parametrize("rows, capacity, partition", [
-    (1, 2048, 128),    # 3 CTAs a partition: partitions halve down to the 128-token floor
-    (16, 2048, 128),   # 48 CTAs per partition: 768 at 128 tokens is the first >= 4 per SM x 132
-    (32, 2048, 256),   # 96 per partition: 768 at 256 tokens
-    (64, 2048, 512),   # 64 x 3 x 4 >= 528 already at 512 tokens
+    (1, 2048, 128),    # 3 CTAs a partition: no longer partition keeps 330, the 128-token floor
+    (16, 2048, 256),   # 48 CTAs a partition: 384 at 256 tokens, 192 at 512
+    (32, 2048, 512),   # 96: 384 at 512 tokens
+    (64, 2048, 1024),  # 192: 384 at 1024 tokens
+    (64, 8192, 2048),  # 768 at 2048 tokens; 4096 would keep 384, but splits stop growing at 2048
+    (128, 2048, 0),    # 384 CTAs in one pass: the longest partition is the whole row
     (352, 2048, 0),    # 352 x 3 >= 8 per SM x 132: single pass
     (1, 512, 128),
     (1, 128, 0),       # one partition is the single pass
 ])
 def test_decode_split_keeps_the_sms_busy(rows, capacity, partition):
-    # The emulator reports 132 SMs (an H100 / H200), as get_backend sets.
     launches, blocks = decode_grid(rows, capacity)
     if partition == 0:
         assert (launches, blocks) == (1, rows * 3)
