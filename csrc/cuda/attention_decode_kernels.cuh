@@ -3,12 +3,12 @@
 // (query dtype, cache dtype) pair, so the instantiations compile in parallel.
 //
 // One CTA serves one query row and up to GT query heads of one GQA group, so each K/V tile is
-// read from memory once for the whole group. Its 128 threads form "token groups" of TPT lanes;
-// a token group owns one token at a time, each lane loading 16-byte (or 8-byte, see
+// read from memory once for the whole group. K/V stream through a ring of shared-memory stages
+// filled by cp.async (one barrier per stage). Its 128 threads form "token groups" of TPT lanes;
+// a token group takes one staged token at a time, each lane reading 16-byte (or 8-byte, see
 // DecodeConfig) vectors of that token's K and V row. Every token group keeps its own online
-// softmax (running max, sum and accumulator) over the tokens it visits, so the main loop has no
-// block-wide barrier; the groups' states are merged once at the end (warp shuffles, then shared
-// memory). Long contexts split into fixed partitions (one CTA each) whose partial states a
+// softmax (running max, sum and accumulator) over the tokens it visits; the groups' states are
+// merged once at the end (warp shuffles, then shared memory). Long contexts split into fixed partitions (one CTA each) whose partial states a
 // reduce kernel merges with max-logit / exp-sum weights, vLLM's v2 scheme. Logits live in the
 // log2 domain (q is pre-scaled by scale * log2(e)) so every exponential is one exp2f.
 //
@@ -47,9 +47,9 @@ struct DecodeConfig {
   static constexpr int kNv = (kVecsPerRow + kTpt - 1) / kTpt;         // loads per lane
   static constexpr int kGroupsPerWarp = kWarpSize / kTpt;
   static constexpr int kTokenGroups = kDecodeWarps * kGroupsPerWarp;
-  // Tokens in flight per token group: enough bytes outstanding to cover DRAM latency, few
-  // enough that q, the accumulators and the loads stay in registers. Half-width loads get
-  // twice the tokens, so the bytes in flight stay the same.
+  // Tokens a token group takes per compute step (one online-softmax rescale each): few enough
+  // that q, the accumulators and the step's K/V vectors stay in registers. Half-width loads get
+  // twice the tokens, so a step covers the same bytes.
   static constexpr int kUnroll = (GT <= 4 ? 4 : 2) * (16 / kLoadBytes);
   static constexpr int kStepTokens = kTokenGroups * kUnroll;  // tokens of one compute step
 
@@ -442,30 +442,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-// Launches kernel<<<grid, kDecodeThreads, smem, stream>>>(args...) as a programmatic dependent
-// of the kernel before it on the stream where the device has it (sm_90+): its launch overlaps
-// that kernel's last CTAs, a few microseconds of a small batch's decode.
+// Launches kernel<<<grid, kDecodeThreads, smem, stream>>>(args...), with overlap (sm_90+ only)
+// as a programmatic dependent of the kernel before it on the stream: its launch overlaps that
+// kernel's last CTAs, a few microseconds of a small batch's decode.
 template <typename... Params, typename... Args>
 cudaError_t launch_overlapping(void (*kernel)(Params...), dim3 grid, size_t smem, cudaStream_t stream,
-                               const Args&... args) {
+                               bool overlap, const Args&... args) {
 #ifndef KVPAGE_CUDA_EMU
-  static std::atomic<int> majors[64] = {};  // compute capability major per device, 0: not read yet
-  int device = 0, major = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 64) major = majors[device].load(std::memory_order_relaxed);
-  if (major == 0) {
-    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (err != cudaSuccess) return err;
-    if (device < 64) majors[device].store(major, std::memory_order_relaxed);
-  }
-  if (major >= 9) {
-    cudaLaunchAttribute overlap[1];
-    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  if (overlap) {
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
     config.gridDim = grid, config.blockDim = dim3(kDecodeThreads), config.dynamicSmemBytes = smem;
-    config.stream = stream, config.attrs = overlap, config.numAttrs = 1;
+    config.stream = stream, config.attrs = attribute, config.numAttrs = 1;
     return cudaLaunchKernelEx(&config, kernel, args...);
   }
 #endif
@@ -500,7 +490,8 @@ cudaError_t launch_decode_tile(const AttentionParams& p, const DecodeWork& w, cu
       cudaFuncSetAttribute(paged_decode_reduce_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem));
     }
-    err = launch_overlapping(paged_decode_reduce_kernel<T>, dim3(p.num_rows, p.num_heads), smem, stream, p, w);
+    err = launch_overlapping(paged_decode_reduce_kernel<T>, dim3(p.num_rows, p.num_heads), smem, stream,
+                             w.overlap_reduce, p, w);
     if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();

@@ -128,13 +128,6 @@ __device__ __forceinline__ uint2 quantize_fp8x8(const float* f, float inverse_sc
   return make_uint2(w[0], w[1]);
 }
 
-// KV streams are read once per CTA: bypass L1 allocation but keep L2 (other query groups of
-// the same KV head may follow). V: uint4 or uint2.
-template <typename V>
-__device__ __forceinline__ V load_stream(const void* p) {
-  return __ldcg(reinterpret_cast<const V*>(p));
-}
-
 // Two floats as one 32-bit register of two 16-bit values (low half = first), the A-operand
 // format of mma.sync.
 template <typename T>

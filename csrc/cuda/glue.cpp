@@ -8,15 +8,29 @@
 namespace kvpage {
 namespace cuda {
 
-int num_sms() {
-  static std::atomic<int> cache[64] = {};
+namespace {
+
+// An attribute of the current device, read once per device (the query is a driver call).
+int cached_device_attribute(std::atomic<int> (&cache)[64], cudaDeviceAttr attribute) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   if (device < 64 && cache[device].load(std::memory_order_relaxed) > 0) return cache[device];
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cache[device].store(n, std::memory_order_relaxed);
-  return n;
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  if (device < 64) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+}  // namespace
+
+int num_sms() {
+  static std::atomic<int> cache[64] = {};
+  return cached_device_attribute(cache, cudaDevAttrMultiProcessorCount);
+}
+
+int compute_capability_major() {
+  static std::atomic<int> cache[64] = {};
+  return cached_device_attribute(cache, cudaDevAttrComputeCapabilityMajor);
 }
 
 at::Tensor upload_words(const std::vector<int64_t>& words, const at::Device& device) {

@@ -40,6 +40,8 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 
 // Streaming multiprocessors of the current device (cached: the attribute query is a driver call).
 int num_sms();
+// Compute capability major of the current device (cached likewise).
+int compute_capability_major();
 
 // Uploads host int64 words to the device through a pinned staging buffer, asynchronously on
 // the current stream (the caching host allocator keeps the buffer alive until the copy is done).

@@ -56,6 +56,7 @@ struct DecodeWork {
   float* tmp_out;  // [num_rows, num_heads, max_partitions, head_size]
   float* tmp_max;  // [num_rows, num_heads, max_partitions], log2 domain
   float* tmp_sum;  // [num_rows, num_heads, max_partitions]
+  bool overlap_reduce;  // launch the reduce as a programmatic dependent (the device is sm_90+)
 };
 
 // CTAs the decode kernel runs per query row and partition: one per KV head and tile of up to

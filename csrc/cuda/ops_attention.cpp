@@ -135,6 +135,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     w.tmp_out = tmp.data_ptr<float>();
     w.tmp_max = w.tmp_out + slots * cache.head_size;
     w.tmp_sum = w.tmp_max + slots;
+    w.overlap_reduce = compute_capability_major() >= 9;
   }
   C10_CUDA_CHECK(launch_paged_decode(p, w, current_stream()));
 }
