@@ -12,6 +12,11 @@ int decode_ctas_per_row(int num_heads, int num_kv_heads) {
   return num_kv_heads * tiles;
 }
 
+bool decode_uses_tensor_cores(const AttentionParams& p) {
+  const bool sixteen_bit = p.dtype == DType::kHalf || p.dtype == DType::kBFloat16;
+  return sixteen_bit && p.cache_dtype == p.dtype && p.num_heads >= 2 * p.num_kv_heads && p.head_size <= 128;
+}
+
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
   if (p.num_rows == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;

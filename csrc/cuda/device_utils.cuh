@@ -201,6 +201,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* row_a
 #endif
 }
 
+// An 8x8 b16 matrix held as mma fragments (lane l: row l / 4, columns 2 (l % 4) and + 1, low
+// half first), transposed across the warp: lane l receives column l / 4, rows 2 (l % 4) and + 1.
+// Turns an accumulator tile, packed to 16 bits, into an operand of the transposed product.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+#ifdef KVPAGE_CUDA_EMU
+  return emu::movmatrix_trans(x);
+#else
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+#endif
+}
+
 // 16-byte global->shared copy; src_bytes == 0 writes zeros without reading src (masked rows).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
 #ifdef KVPAGE_CUDA_EMU

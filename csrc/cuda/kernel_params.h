@@ -63,6 +63,11 @@ struct DecodeWork {
 // 1, 4 or 8 query heads of its GQA group (see dispatch_group_tile).
 int decode_ctas_per_row(int num_heads, int num_kv_heads);
 
+// Whether launch_paged_decode runs these on tensor cores: fp16 / bf16 queries over their own
+// dtype's cache, GQA groups (2 or more query heads per KV head), head sizes up to 128. The rest
+// (fp32, fp8 caches, MHA, head sizes 192 / 256) take the SIMT kernel.
+bool decode_uses_tensor_cores(const AttentionParams& p);
+
 // Decode, and the prefill the tensor-core kernel does not serve (fp32 queries, over fp32 or fp8
 // caches: prefill rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);

@@ -1,6 +1,7 @@
 """Which CUDA kernel serves which call, read off the emulator's count of mma.sync operations:
-prefill with fp16 / bf16 queries runs on tensor cores over 16-bit and fp8 caches alike; fp32
-queries, and every decode, take the SIMT kernel. tests/cuda checks the results of every path;
+prefill with fp16 / bf16 queries runs on tensor cores over 16-bit and fp8 caches alike, and so
+does decode of fp16 / bf16 GQA groups over their own dtype's cache; fp32 queries, fp8-cache
+decode, MHA decode and head sizes above 128 take the SIMT kernel. tests/cuda checks the results of every path;
 this checks that the fast path is the one taken."""
 import sys
 from pathlib import Path
@@ -22,12 +23,12 @@ def stats_of(call) -> dict:
     return {k: v - before[k] for k, v in emu.stats().items()}
 
 
-def attention_inputs(ops, dtype, cache_dtype, num_tokens):
+def attention_inputs(ops, dtype, cache_dtype, num_tokens, num_heads=4, head_size=64):
     gen = torch.Generator().manual_seed(0)
-    key_cache, value_cache = ops.allocate_kv_cache(8, 16, 2, 64, dtype=cache_dtype, device="cpu")
+    key_cache, value_cache = ops.allocate_kv_cache(8, 16, 2, head_size, dtype=cache_dtype, device="cpu")
     for cache in (key_cache, value_cache):
         cache.copy_(torch.randn(cache.shape, generator=gen).to(cache_dtype))
-    query = torch.randn(num_tokens, 4, 64, generator=gen).to(dtype)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
     tables = torch.arange(8, dtype=torch.int32).view(1, 8)
     return query, key_cache, value_cache, tables
 
@@ -48,12 +49,20 @@ def test_prefill_path(dtype, cache_dtype, tensor_cores):
     assert (mmas > 0) == tensor_cores, f"{mmas} mma.sync operations"
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
-def test_decode_is_simt(cache_dtype):
+@pytest.mark.parametrize("dtype, cache_dtype, num_heads, head_size, tensor_cores", [
+    (torch.float16, torch.float16, 4, 64, True),     # GQA group of 2
+    (torch.bfloat16, torch.bfloat16, 6, 128, True),  # group of 3, as SmolLM2
+    (torch.float16, torch.float16, 2, 64, False),    # MHA: one head per KV head
+    (torch.float16, torch.float16, 4, 192, False),   # past head size 128
+    (torch.float16, FP8, 4, 64, False),
+    (torch.float32, torch.float32, 4, 64, False),
+])
+def test_decode_path(dtype, cache_dtype, num_heads, head_size, tensor_cores):
     ops = get_backend("emu").ops
-    query, key_cache, value_cache, tables = attention_inputs(ops, torch.float16, cache_dtype, 1)
+    query, key_cache, value_cache, tables = attention_inputs(ops, dtype, cache_dtype, 1, num_heads, head_size)
     lens = torch.tensor([100], dtype=torch.int32)
-    assert stats_of(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens))["mmas"] == 0
+    mmas = stats_of(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens))["mmas"]
+    assert (mmas > 0) == tensor_cores, f"{mmas} mma.sync operations"
 
 
 def decode_grid(rows, capacity):

@@ -49,3 +49,8 @@ def test_ldmatrix_fragments_follow_the_ptx_layout(emu):
     # The kernels' mma operands come through ldmatrix (Q, K plain; V .trans): a lane-mapping slip
     # in the emulator would test them against the wrong fragments.
     assert emu.probe_ldmatrix_mismatches() == 0
+
+
+def test_movmatrix_transposes_fragments_as_the_ptx_layout_says(emu):
+    # The tensor-core decode turns S^T's accumulator into P^T's B operand with movmatrix.trans.
+    assert emu.probe_movmatrix_mismatches() == 0

@@ -28,7 +28,7 @@ void shared_decl(void* address, size_t bytes);
 
 // Warp collectives: every lane of the warp in `mask` arrives with a request; the last arrival
 // serves them all (emu_collectives.cpp).
-enum class Op : int { kShuffle, kBallot, kSyncWarp, kMmaF16, kMmaBF16, kLdmatrixX4, kLdmatrixX4Trans };
+enum class Op : int { kShuffle, kBallot, kSyncWarp, kMmaF16, kMmaBF16, kLdmatrixX4, kLdmatrixX4Trans, kMovmatrixTrans };
 struct ShuffleRequest {
   uint64_t value;  // the lane's var, bit-copied (up to 8 bytes)
   int mode;        // 0 idx, 1 up, 2 down, 3 xor
@@ -95,6 +95,14 @@ inline void ldmatrix_x4(uint32_t* result, const void* row) {
 inline void ldmatrix_x4_trans(uint32_t* result, const void* row) {
   LdmatrixRequest r{row, result};
   warp_collective(Op::kLdmatrixX4Trans, 0xffffffffu, &r, nullptr);
+}
+
+// movmatrix.sync.m8n8.trans.b16, served like a shuffle: each lane's fragment word in, its
+// transposed word out.
+inline uint32_t movmatrix_trans(uint32_t x) {
+  ShuffleRequest r{x, 0, 0, 32, 0};
+  warp_collective(Op::kMovmatrixTrans, 0xffffffffu, &r, nullptr);
+  return static_cast<uint32_t>(r.result);
 }
 
 template <typename T>

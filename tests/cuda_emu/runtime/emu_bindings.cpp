@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_smem_without_opt_in", &emu::probe_smem_without_opt_in);
   m.def("probe_fp8_conversion_mismatches", &emu::probe_fp8_conversion_mismatches);
   m.def("probe_ldmatrix_mismatches", &emu::probe_ldmatrix_mismatches);
+  m.def("probe_movmatrix_mismatches", &emu::probe_movmatrix_mismatches);
   m.def("set_seed", &emu::set_seed, py::arg("seed"), py::arg("random_order") = true);
   m.def("set_num_sms", &emu::set_num_sms);
   m.def("stats", [] {

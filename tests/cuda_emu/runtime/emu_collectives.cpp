@@ -1,5 +1,5 @@
 // Warp collectives of the emulator: each is served by the last lane to arrive, from every lane's
-// request (see emu_api.h): shuffles, ballot, mma.sync.m16n8k16 and ldmatrix.x4 (plain and .trans).
+// request (see emu_api.h): shuffles, ballot, mma.sync.m16n8k16, ldmatrix.x4 (plain and .trans) and movmatrix.trans.
 #include <cuda_fp16.h>
 
 #include <cstring>
@@ -118,6 +118,22 @@ void serve_ldmatrix(Block& b, int warp, bool trans) {
   }
 }
 
+// movmatrix.sync.m8n8.trans.b16: lane l holds M[l / 4][2 (l % 4)], M[l / 4][2 (l % 4) + 1] (low
+// half first) and receives M[2 (l % 4)][l / 4], M[2 (l % 4) + 1][l / 4].
+void serve_movmatrix(Block& b, int warp) {
+  Fiber* lanes = &b.fibers[warp * 32];
+  uint16_t m[8][8];
+  for (int l = 0; l < 32; ++l) {
+    const auto word = static_cast<uint32_t>(static_cast<ShuffleRequest*>(lanes[l].request)->value);
+    m[l / 4][2 * (l % 4)] = static_cast<uint16_t>(word & 0xffff);
+    m[l / 4][2 * (l % 4) + 1] = static_cast<uint16_t>(word >> 16);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    static_cast<ShuffleRequest*>(lanes[l].request)->result = uint32_t(m[2 * t][g]) | uint32_t(m[2 * t + 1][g]) << 16;
+  }
+}
+
 void serve_warp(Block& b, int warp) {
   WarpState& w = b.warps[warp];
   switch (w.op) {
@@ -128,6 +144,7 @@ void serve_warp(Block& b, int warp) {
     case Op::kMmaBF16: serve_mma(b, warp, true); break;
     case Op::kLdmatrixX4: serve_ldmatrix(b, warp, false); break;
     case Op::kLdmatrixX4Trans: serve_ldmatrix(b, warp, true); break;
+    case Op::kMovmatrixTrans: serve_movmatrix(b, warp); break;
   }
   for (int l = 0; l < 32; ++l) {
     if (w.mask >> l & 1) make_runnable(b, b.fibers[warp * 32 + l]);

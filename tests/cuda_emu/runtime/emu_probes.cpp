@@ -4,7 +4,8 @@
 // a cp.async destination before its wait_group, and dynamic shared memory beyond the default
 // 48 KiB without cudaFuncSetAttribute. Plus cross-checks: the emulator compiles the sm_80 path
 // of fp8x2_to_half2 (no __CUDA_ARCH__ here); it must equal CUDA's own conversion, the sm_89+ path.
-// And ldmatrix_x4 / ldmatrix_x4_trans must hand each lane the elements the PTX ISA assigns it.
+// And ldmatrix_x4 / ldmatrix_x4_trans and movmatrix_trans must hand each lane the elements the PTX
+// ISA assigns it.
 #include "cuda_emu.h"
 
 #include <string>
@@ -64,6 +65,17 @@ __global__ void ldmatrix_kernel(int* mismatches) {
   }
 }
 
+// One warp transposes an 8x8 b16 matrix of distinct values M[r][c] = 8r + c held as mma fragments
+// (lane l: row l / 4, columns 2 (l % 4) and + 1). Counts the lanes that do not receive column
+// l / 4, rows 2 (l % 4) and + 1, as the PTX ISA's movmatrix.trans assigns.
+__global__ void movmatrix_kernel(int* mismatches) {
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  auto at = [](int r, int c) { return uint32_t(8 * r + c); };
+  const uint32_t mine = at(g, 2 * t) | at(g, 2 * t + 1) << 16;
+  const uint32_t moved = kvpage::cuda::movmatrix_trans(mine);
+  *mismatches += moved != (at(2 * t, g) | at(2 * t + 1, g) << 16);  // a block's fibers share one OS thread
+}
+
 std::string check(cudaError_t err) { return err == cudaSuccess ? "" : cudaGetErrorString(err); }
 
 }  // namespace
@@ -103,6 +115,12 @@ std::string probe_smem_without_opt_in() {
 int probe_ldmatrix_mismatches() {
   int mismatches = 0;
   launch(&ldmatrix_kernel, dim3(1), dim3(32))(&mismatches);
+  return cudaGetLastError() == cudaSuccess ? mismatches : -1;
+}
+
+int probe_movmatrix_mismatches() {
+  int mismatches = 0;
+  launch(&movmatrix_kernel, dim3(1), dim3(32))(&mismatches);
   return cudaGetLastError() == cudaSuccess ? mismatches : -1;
 }
 

@@ -259,8 +259,10 @@ void warp_collective(Op op, unsigned mask, void* request, int* int_result) {
   if (!(mask >> lane & 1)) fail(b, thread_name(f) + " is not in its own collective's mask");
   if (mask & ~existing) fail(b, thread_name(f) + ": collective mask names lanes the block does not have");
   const bool needs_full_warp = op == Op::kMmaF16 || op == Op::kMmaBF16 || op == Op::kLdmatrixX4 ||
-                               op == Op::kLdmatrixX4Trans;
-  if (needs_full_warp && mask != 0xffffffffu) fail(b, thread_name(f) + ": mma / ldmatrix need the whole warp");
+                               op == Op::kLdmatrixX4Trans || op == Op::kMovmatrixTrans;
+  if (needs_full_warp && mask != 0xffffffffu) {
+    fail(b, thread_name(f) + ": mma / ldmatrix / movmatrix need the whole warp");
+  }
   WarpState& w = b.warps[warp];
   if (w.arrived == 0) {
     w.op = op, w.mask = mask;

@@ -28,6 +28,7 @@ std::string probe_divergent_barrier();             // the launch's error message
 int probe_early_cp_async_read();                   // threads that saw their copy early
 std::string probe_smem_without_opt_in();           // the launch's error message
 int probe_fp8_conversion_mismatches();              // sm_80 fp8 path vs CUDA's conversion, non-NaN pairs
+int probe_movmatrix_mismatches();                  // movmatrix.trans words off the PTX layout; -1: error
 int probe_ldmatrix_mismatches();                   // ldmatrix(.trans) registers off the PTX layout; -1: error
 
 }  // namespace emu
