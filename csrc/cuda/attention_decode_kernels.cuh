@@ -249,31 +249,46 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeConfig<Cache, HEAD, GT>
   store_merged<T>(p, w, cta, states);
 }
 
+// The decode kernels as types, for the one place that chooses between them (visit_decode_kernel):
+// Config (its Ring and kMinBlocksPerSm: what the split planner needs) and launch.
 template <typename T, typename Cache, int HEAD, int GT>
-cudaError_t launch_decode_tile(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
-  using C = DecodeConfig<Cache, HEAD, GT>;
-  return launch_decode_grid<T, GT, paged_decode_kernel<T, Cache, HEAD, GT>>(C::Ring::kSmemBytes, p, w, stream);
+struct SimtDecode {
+  using Config = DecodeConfig<Cache, HEAD, GT>;
+  static cudaError_t launch(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
+    return launch_decode_grid<T, GT, paged_decode_kernel<T, Cache, HEAD, GT>>(Config::Ring::kSmemBytes, p, w,
+                                                                              stream);
+  }
+};
+template <typename T, int HEAD>
+struct MmaDecode {
+  using Config = MmaDecodeConfig<T, HEAD>;
+  static cudaError_t launch(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
+    return launch_decode_mma<T, HEAD>(p, w, stream);
+  }
+};
+
+// Calls f(Kernel{}) with the decode kernel that serves p: MmaDecode for 16-bit GQA groups
+// (decode_uses_tensor_cores), else SimtDecode at the head size's and group's tile. false when
+// no kernel does (a head size past 256).
+template <typename T, typename Cache, typename F>
+bool visit_decode_kernel(const AttentionParams& p, F&& f) {
+  return dispatch_head_size(p.head_size, [&](auto head) {
+    constexpr int kHead = decltype(head)::value;
+    if constexpr (std::is_same<T, Cache>::value && sizeof(T) == 2 && kHead <= 128) {
+      if (decode_uses_tensor_cores(p)) return f(MmaDecode<T, kHead>{});
+    }
+    dispatch_group_tile(p.num_heads / p.num_kv_heads,
+                        [&](auto gt) { f(SimtDecode<T, Cache, kHead, decltype(gt)::value>{}); });
+  });
 }
 
-// Every head size and GQA tile of one (query, cache) dtype pair: what one attention_decode_*.cu
-// file instantiates. 16-bit GQA groups go to the tensor-core kernel (decode_uses_tensor_cores).
+// What one attention_decode_*.cu file instantiates: every decode kernel of its (query, cache)
+// dtype pair.
 template <typename T, typename Cache>
 cudaError_t launch_decode_for_head_and_tile(const AttentionParams& p, const DecodeWork& w,
                                             cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  if constexpr (std::is_same<T, Cache>::value && sizeof(T) == 2) {
-    if (decode_uses_tensor_cores(p)) {
-      dispatch_head_size(p.head_size, [&](auto head) {
-        if constexpr (decltype(head)::value <= 128) err = launch_decode_mma<T, decltype(head)::value>(p, w, stream);
-      });
-      return err;
-    }
-  }
-  dispatch_head_size(p.head_size, [&](auto head) {
-    dispatch_group_tile(p.num_heads / p.num_kv_heads, [&](auto gt) {
-      err = launch_decode_tile<T, Cache, decltype(head)::value, decltype(gt)::value>(p, w, stream);
-    });
-  });
+  visit_decode_kernel<T, Cache>(p, [&](auto kernel) { err = decltype(kernel)::launch(p, w, stream); });
   return err;
 }
 

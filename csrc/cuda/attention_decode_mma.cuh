@@ -33,6 +33,8 @@ struct MmaDecodeConfig {
   static constexpr int kDimTiles = HEAD / 16;  // k-steps of S^T, m16 tiles of O^T
   // A ring of at most ~72 KiB: 3 stages up to head size 64 (4 CTAs per SM), else 2 (3 per SM).
   static constexpr int kStages = cmin(3, cmax(2, 73728 / (2 * kStageTokens * kSlotBytes)));
+  // Registers aim at 4 CTAs per SM (<= 128 a thread: Q^T, O^T and one step's S^T are ~60).
+  static constexpr int kMinBlocksPerSm = 4;
   using Ring = KvRing<T, HEAD, kStageTokens, kSlotBytes, kStages>;
   static_assert(HEAD % 16 == 0, "head sizes are whole mma k-steps");
   static_assert(WarpStates<kHeadsPerCta, HEAD>::kBytes <= Ring::kValidOffset, "the merge reuses the K/V ring");
@@ -64,7 +66,7 @@ __device__ __forceinline__ void online_softmax_heads(float (&s)[4], float (&o)[k
 }
 
 template <typename T, int HEAD>
-__global__ void __launch_bounds__(kDecodeThreads, 2)
+__global__ void __launch_bounds__(kDecodeThreads, (MmaDecodeConfig<T, HEAD>::kMinBlocksPerSm))
     paged_decode_mma_kernel(const AttentionParams p, const DecodeWork w) {
   using C = MmaDecodeConfig<T, HEAD>;
   constexpr int kStride = C::kStride, kDimTiles = C::kDimTiles;

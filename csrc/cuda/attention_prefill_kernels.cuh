@@ -4,16 +4,16 @@
 //
 // One CTA takes a tile of kBlockM query tokens of one sequence and one query head; its 4 warps
 // own kMTiles m16 tiles each (32 rows a warp up to head size 128, else 16). K/V tiles of kBlockN
-// cache positions are gathered through the block table into shared memory with cp.async,
-// double-buffered so the next tile's gather overlaps this tile's math. S = Q K^T and O += P V
-// run on mma.sync m16n8k16 with fp32 accumulators, operands read with ldmatrix; each K / V
+// cache positions are gathered through the block table into shared memory with cp.async, in a
+// ring of 2-3 buffers so the next tiles' gathers overlap this tile's math. S = Q K^T and
+// O += P V run on mma.sync m16n8k16 with fp32 accumulators, operands read with ldmatrix; each K / V
 // fragment a warp reads feeds all its m-tiles, since shared-memory bandwidth, not the tensor
 // cores, bounds this loop. The softmax is online (running max and sum per row, in registers).
 // Query position i of a sequence with q_len queries and seq_len cached tokens is
 // seq_len - q_len + i and sees positions <= it, which covers plain prefill, chunked prefill and
 // prefix-cache hits alike.
 //
-// fp8 caches: cp.async lands the raw codes in a double-buffered staging area; once a tile has
+// fp8 caches: cp.async lands the raw codes in a staging ring of as many buffers; once a tile has
 // landed, the CTA converts it into the same 16-bit mma tile the other caches gather into (every
 // e4m3 value is exact in fp16 and bf16, so the mma sees the codes' values unrounded). k_scale
 // folds into the logits' scale and v_scale into the final normalisation, as in decode.
@@ -54,9 +54,14 @@ struct PrefillConfig {
   static constexpr int kCacheVec = 16 / sizeof(Cache);  // cache elements per 16-byte chunk
   static constexpr int kCacheChunksPerRow = HEAD / kCacheVec;
   static constexpr int kStageStride = kFp8 ? HEAD : kStride;  // in Cache elements
-  static constexpr int kTileBuffers = kFp8 ? 1 : 2;
+  // K/V tiles in flight: a ring of kStages buffers, the gathers of the next kStages - 1 tiles
+  // overlapping this one's math. 3 up to head size 64, whose tiles are small and whose math is
+  // short next to a gather's latency (SmolLM2's 1k-token prefill is 72 CTAs, one per SM, each a
+  // serial chain of 16 tiles); 2 above, where a third buffer would cost a CTA per SM.
+  static constexpr int kStages = HEAD <= 64 ? 3 : 2;
+  static constexpr int kTileBuffers = kFp8 ? 1 : kStages;
   static constexpr size_t kTileBytes = size_t(2 * kBlockN) * kStride * sizeof(T);  // K + V
-  static constexpr size_t kStageBytes = kFp8 ? size_t(2 * 2 * kBlockN) * HEAD : 0;
+  static constexpr size_t kStageBytes = kFp8 ? size_t(kStages * 2 * kBlockN) * HEAD : 0;
   static constexpr size_t kSmemBytes =
       size_t(kBlockM) * kStride * sizeof(T) + kTileBuffers * kTileBytes + kStageBytes;
 };
@@ -218,8 +223,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* q_s = reinterpret_cast<T*>(smem_raw);
   T* kv_s = q_s + kBlockM * kStride;  // [kTileBuffers][K, V][kBlockN][kStride]
-  // cp.async's K/V destination, [2 buffers][K, V][kBlockN][kStageStride]: kv_s itself, or the
-  // fp8 staging area after it.
+  // cp.async's K/V destination, [kStages buffers][K, V][kBlockN][kStageStride]: kv_s itself, or
+  // the fp8 staging area after it.
   Cache* stage = reinterpret_cast<Cache*>(kv_s + (C::kFp8 ? C::kTileBuffers * 2 * kBlockN * kStride : 0));
 
   const int tid = threadIdx.x;
@@ -277,9 +282,17 @@ __global__ void __launch_bounds__(kPrefillThreads)
     }
   };
 
+  // The ring: tiles 0 .. kStages - 2 in flight before the loop (group 0 holds Q too); iteration
+  // j waits for tile j, then refills the buffer tile j - 1 used (every thread is past it: the
+  // barrier) with tile j + kStages - 1. One commit group per tile, empty ones included, keeps
+  // wait<kStages - 2> meaning "tile j has landed".
+  constexpr int kStages = C::kStages;
   const int num_kv_tiles = (kv_end + kBlockN - 1) / kBlockN;
-  if (num_kv_tiles > 0) load_kv(0, 0);
-  cp_async_commit();  // group 0: Q (+ first K/V tile)
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < num_kv_tiles) load_kv(st, st);
+    cp_async_commit();
+  }
 
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
@@ -300,18 +313,15 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 
   for (int j = 0; j < num_kv_tiles; ++j) {
-    if (j + 1 < num_kv_tiles) {
-      load_kv(j + 1, (j + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();  // everything but the tile just issued has landed
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<kStages - 2>();
     __syncthreads();
+    if (j + kStages - 1 < num_kv_tiles) load_kv(j + kStages - 1, (j + kStages - 1) % kStages);
+    cp_async_commit();
 
-    const T* k_s = kv_s + (C::kFp8 ? 0 : (j & 1) * 2 * kBlockN * kStride);
+    const int buf = j % kStages;
+    const T* k_s = kv_s + (C::kFp8 ? 0 : buf * 2 * kBlockN * kStride);
     if constexpr (C::kFp8) {
-      convert_kv(j & 1);
+      convert_kv(buf);
       __syncthreads();
     }
     const T* v_s = k_s + kBlockN * kStride;
@@ -349,9 +359,9 @@ __global__ void __launch_bounds__(kPrefillThreads)
       for (int mi = 0; mi < kMTiles; ++mi) online_softmax(s[mi], o[mi], row_max[mi], row_sum[mi]);
       warp_pv<C>(o, s, v_s, lane);
     }
-    __syncthreads();  // the next iteration's gather (or conversion) overwrites the tile just read
+    // The next iteration's barrier keeps its refill (and fp8 conversion) off the tile just read.
   }
-  cp_async_wait<0>();  // no tile to attend (q rows see nothing): still drain the Q copy
+  cp_async_wait<0>();  // only empty groups remain, or, with no tile to attend, the Q copy
 
   // Normalise and store the rows this tile owns.
 #pragma unroll

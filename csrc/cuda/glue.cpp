@@ -33,6 +33,11 @@ int compute_capability_major() {
   return cached_device_attribute(cache, cudaDevAttrComputeCapabilityMajor);
 }
 
+int shared_memory_per_sm() {
+  static std::atomic<int> cache[64] = {};
+  return cached_device_attribute(cache, cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+}
+
 at::Tensor upload_words(const std::vector<int64_t>& words, const at::Device& device) {
   at::Tensor host = at::empty({static_cast<int64_t>(words.size())},
                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));

@@ -42,6 +42,8 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 int num_sms();
 // Compute capability major of the current device (cached likewise).
 int compute_capability_major();
+// Shared memory one SM holds for its resident CTAs, in bytes (cached likewise).
+int shared_memory_per_sm();
 
 // Uploads host int64 words to the device through a pinned staging buffer, asynchronously on
 // the current stream (the caching host allocator keeps the buffer alive until the copy is done).

@@ -68,6 +68,10 @@ int decode_ctas_per_row(int num_heads, int num_kv_heads);
 // (fp32, fp8 caches, MHA, head sizes 192 / 256) take the SIMT kernel.
 bool decode_uses_tensor_cores(const AttentionParams& p);
 
+// CTAs of the decode kernel serving p that one SM runs at once: its register budget's, or fewer
+// where its shared memory (the K/V ring) fills the SM's shared_memory_per_sm bytes.
+int decode_ctas_per_sm(const AttentionParams& p, int shared_memory_per_sm);
+
 // Decode, and the prefill the tensor-core kernel does not serve (fp32 queries, over fp32 or fp8
 // caches: prefill rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);

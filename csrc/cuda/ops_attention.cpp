@@ -19,24 +19,23 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-// Single pass once there are this many CTAs per SM anyway: partitions would add a reduce
-// launch without improving balance.
-constexpr int64_t kSinglePassCtasPerSm = 8;
-// Otherwise the longest partitions (powers of two from kMinPartitionTokens, whole blocks) that
-// still give the grid about this many CTAs per SM, in tenths: 2.5, a little over half a wave
-// of the decode kernel's 4 per SM. Fewer, longer CTAs pay their start-up, merge and partial
-// writes less often; on an H200 (bench/kernels_cuda.py --sweep-partitions) the fastest fixed
-// partition gave grids of 2.9 to 3.9 CTAs per SM at 8k tokens (batch 16 x Llama-3: 2048-token
-// partitions, 3.9 per SM; batch 16 x SmolLM2: 1024, 2.9 per SM), and 1024-4096 ran within
-// 2% of each other at batch 64.
-constexpr int64_t kGridTenthsPerSm = 25;
-// Split partitions stop growing here (a row short enough for the next doubling runs single
-// pass): at batch 64 x 8k tokens of Llama-3, 2048-token partitions (16 CTAs per SM) ran 2%
-// faster than 4096 in two H200 sweeps.
-constexpr int64_t kMaxPartitionTokens = 2048;
-// Below this a CTA's fixed costs (loading q, merging its token groups, writing partials)
-// outweigh its share of the stream.
+// The split is planned in waves: a wave is the CTAs the GPU runs at once (SMs x the decode
+// kernel's CTAs per SM). Fitted to H200 sweeps of every fixed partition size
+// (bench/kernels_cuda.py --sweep-partitions, docs/gpu/kernels_cuda_run7.json), batch 1-256 x
+// 512-8192 tokens, Llama-3-8B and SmolLM2 heads:
+//   - a grid just over a wave runs its remainder as a nearly empty second wave (batch 16 x 8k
+//     Llama-3, tensor-core kernel at 3 CTAs per SM: 512 CTAs took 173 us, 256 took 149 and 1024
+//     took 155), so a split grid is either within one wave or at least two;
+//   - under one wave, more CTAs help until the wave is full: the shortest partitions that keep
+//     the grid within it;
+//   - from one wave, longer partitions (fewer CTAs, fewer partials to reduce) help, as long as
+//     there are two waves; from two waves single pass is fastest.
+// Partitions are powers of two of at least kMinPartitionTokens, or kBusyMinPartitionTokens once
+// the single pass alone gives every other SM a CTA: there a short partition's fixed costs (q,
+// the merge, its partials, the reduce) outweigh a fuller wave (batch 16 x 512 Llama-3: single
+// pass 22.9 us, 256-token partitions 24.6).
 constexpr int64_t kMinPartitionTokens = 128;
+constexpr int64_t kBusyMinPartitionTokens = 512;
 
 // The decode work split: partition_size 0 is the single pass.
 struct DecodeSplit {
@@ -44,19 +43,23 @@ struct DecodeSplit {
   int64_t max_partitions = 1;
 };
 
-// From shapes alone (no sync): the table width bounds the longest sequence. forced: the
-// caller's partition_size (0: choose). Partitions past a sequence's end exit at once, and the
-// reduce reads only the ones that exist.
-DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t forced) {
+// From shapes alone (no sync): the table width bounds the longest sequence. wave: CTAs the GPU
+// runs at once; forced: the caller's partition_size (0: choose). Partitions past a sequence's end
+// exit at once, and the reduce reads only the ones that exist.
+DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t wave,
+                              int64_t forced) {
   DecodeSplit split;
   int64_t part = forced;
   if (forced == 0) {
-    if (ctas_per_partition >= kSinglePassCtasPerSm * num_sms()) return split;
-    const int64_t target = kGridTenthsPerSm * num_sms() / 10;
-    part = std::max(kMinPartitionTokens, block_size);  // block sizes are powers of two <= 256
-    while (part < capacity && ctas_per_partition * ((capacity + 2 * part - 1) / (2 * part)) >= target &&
-           (2 * part <= kMaxPartitionTokens || 2 * part >= capacity)) {
-      part *= 2;
+    const int64_t ctas = ctas_per_partition;
+    if (ctas >= 2 * wave) return split;
+    auto grid = [&](int64_t p) { return ctas * ((capacity + p - 1) / p); };
+    part = std::max(2 * ctas < num_sms() ? kMinPartitionTokens : kBusyMinPartitionTokens, block_size);
+    if (ctas >= wave) {
+      if (grid(part) < 2 * wave) return split;  // no split reaches two waves
+      while (part < capacity && grid(2 * part) >= 2 * wave) part *= 2;
+    } else {
+      while (part < capacity && grid(part) > wave) part *= 2;
     }
   }
   const int64_t parts = (capacity + part - 1) / part;
@@ -122,9 +125,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
 
+  const int64_t wave = int64_t(num_sms()) * decode_ctas_per_sm(p, shared_memory_per_sm());
   const DecodeSplit split =
       plan_decode_split(query.size(0) * decode_ctas_per_row(p.num_heads, p.num_kv_heads),
-                        block_tables.size(1) * cache.block_size, cache.block_size, partition_size);
+                        block_tables.size(1) * cache.block_size, cache.block_size, wave, partition_size);
   DecodeWork w{};
   at::Tensor tmp;
   if (split.partition_size > 0) {

@@ -77,16 +77,21 @@ def decode_grid(rows, capacity):
     return added["launches"], added["blocks"]
 
 
-# The emulator reports 132 SMs (an H100 / H200), as get_backend sets: the split aims at
-# 2.5 CTAs per SM (330), single pass from 8 per SM (1056); SmolLM2 has 3 CTAs a partition.
+# The emulator reports 132 SMs and 228 KiB of shared memory per SM (an H100 / H200), as
+# get_backend sets: SmolLM2's tensor-core decode (head size 64) runs 4 CTAs per SM, a wave of 528,
+# with 3 CTAs a partition. Under a wave the split takes the shortest partitions (from 128 tokens,
+# or 512 once the single pass gives every other SM a CTA) that keep the grid within one wave;
+# between one and two waves the longest that still make two; from two waves, single pass.
 @pytest.mark.parametrize("rows, capacity, partition", [
-    (1, 2048, 128),    # 3 CTAs a partition: no longer partition keeps 330, the 128-token floor
-    (16, 2048, 256),   # 48 CTAs a partition: 384 at 256 tokens, 192 at 512
-    (32, 2048, 512),   # 96: 384 at 512 tokens
-    (64, 2048, 1024),  # 192: 384 at 1024 tokens
-    (64, 8192, 2048),  # 768 at 2048 tokens; 4096 would keep 384, but splits stop growing at 2048
-    (128, 2048, 0),    # 384 CTAs in one pass: the longest partition is the whole row
-    (352, 2048, 0),    # 352 x 3 >= 8 per SM x 132: single pass
+    (1, 2048, 128),    # 3 CTAs a partition: 48 at the 128-token floor
+    (16, 2048, 256),   # 48 CTAs a partition: 768 at 128 tokens is over a wave, 384 at 256
+    (32, 2048, 512),   # 96: the 512-token floor, 384 CTAs
+    (64, 2048, 1024),  # 192: 768 at 512 tokens, 384 at 1024
+    (64, 8192, 4096),  # 192: 384 CTAs at 4096 tokens
+    (128, 2048, 0),    # 384: within a wave only at 2048 tokens, the whole row
+    (200, 2048, 1024), # 600, over a wave: 1200 CTAs at 1024 tokens, 600 at 2048
+    (200, 512, 0),     # 600, and no split reaches two waves
+    (352, 2048, 0),    # 1056: two waves in one pass
     (1, 512, 128),
     (1, 128, 0),       # one partition is the single pass
 ])

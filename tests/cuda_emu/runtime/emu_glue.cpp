@@ -12,6 +12,7 @@ namespace cuda {
 
 int num_sms() { return emu::num_sms(); }
 int compute_capability_major() { return 9; }  // launches that overlap on sm_90 run plainly here
+int shared_memory_per_sm() { return 233472; }  // an H100 / H200 SM's 228 KiB
 
 at::Tensor upload_words(const std::vector<int64_t>& words, const at::Device& device) {
   at::Tensor t = at::empty({static_cast<int64_t>(words.size())}, at::TensorOptions().dtype(at::kLong).device(device));
