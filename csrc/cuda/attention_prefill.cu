@@ -13,13 +13,13 @@ bool prefill_uses_tensor_cores(const AttentionParams& p) {
   return sixteen_bit && (p.cache_dtype == p.dtype || p.cache_dtype == DType::kFp8E4M3);
 }
 
-cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream) {
+cudaError_t launch_paged_prefill(const AttentionParams& p, const PrefillWork& w, cudaStream_t stream) {
   if (!prefill_uses_tensor_cores(p)) return cudaErrorInvalidValue;
   if (p.num_rows == 0 || p.num_seqs == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_attention_dtypes(p.dtype, p.cache_dtype, [&](auto query, auto cache) {
     if constexpr (!std::is_same<decltype(query), float>::value) {
-      err = launch_prefill<decltype(query), decltype(cache)>(p, workspace, stream);
+      err = launch_prefill<decltype(query), decltype(cache)>(p, w, stream);
     }
   });
   return err;

@@ -8,19 +8,18 @@
 namespace kvpage {
 namespace cuda {
 
-// T: query / out element type (fp16 / bf16); Cache: T, or Fp8E4M3. offsets: num_seqs + 1 ints
-// of device scratch.
+// T: query / out element type (fp16 / bf16); Cache: T, or Fp8E4M3.
 template <typename T, typename Cache>
-cudaError_t launch_prefill(const AttentionParams& p, int32_t* offsets, cudaStream_t stream);
+cudaError_t launch_prefill(const AttentionParams& p, const PrefillWork& w, cudaStream_t stream);
 
 template <>
-cudaError_t launch_prefill<__half, __half>(const AttentionParams&, int32_t*, cudaStream_t);
+cudaError_t launch_prefill<__half, __half>(const AttentionParams&, const PrefillWork&, cudaStream_t);
 template <>
-cudaError_t launch_prefill<__nv_bfloat16, __nv_bfloat16>(const AttentionParams&, int32_t*, cudaStream_t);
+cudaError_t launch_prefill<__nv_bfloat16, __nv_bfloat16>(const AttentionParams&, const PrefillWork&, cudaStream_t);
 template <>
-cudaError_t launch_prefill<__half, Fp8E4M3>(const AttentionParams&, int32_t*, cudaStream_t);
+cudaError_t launch_prefill<__half, Fp8E4M3>(const AttentionParams&, const PrefillWork&, cudaStream_t);
 template <>
-cudaError_t launch_prefill<__nv_bfloat16, Fp8E4M3>(const AttentionParams&, int32_t*, cudaStream_t);
+cudaError_t launch_prefill<__nv_bfloat16, Fp8E4M3>(const AttentionParams&, const PrefillWork&, cudaStream_t);
 
 }  // namespace cuda
 }  // namespace kvpage

@@ -5,8 +5,8 @@ namespace kvpage {
 namespace cuda {
 
 template <>
-cudaError_t launch_prefill<__nv_bfloat16, __nv_bfloat16>(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
-  return launch_prefill_for_head<__nv_bfloat16, __nv_bfloat16>(p, offsets, stream);
+cudaError_t launch_prefill<__nv_bfloat16, __nv_bfloat16>(const AttentionParams& p, const PrefillWork& w, cudaStream_t stream) {
+  return launch_prefill_for_head<__nv_bfloat16, __nv_bfloat16>(p, w, stream);
 }
 
 }  // namespace cuda

@@ -5,8 +5,8 @@ namespace kvpage {
 namespace cuda {
 
 template <>
-cudaError_t launch_prefill<__half, __half>(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
-  return launch_prefill_for_head<__half, __half>(p, offsets, stream);
+cudaError_t launch_prefill<__half, __half>(const AttentionParams& p, const PrefillWork& w, cudaStream_t stream) {
+  return launch_prefill_for_head<__half, __half>(p, w, stream);
 }
 
 }  // namespace cuda

@@ -3,7 +3,8 @@
 // through attention_decode).
 //
 // One CTA takes a tile of kBlockM query tokens of one sequence and one query head; its 4 warps
-// own kMTiles m16 tiles each (32 rows a warp up to head size 128, else 16). K/V tiles of kBlockN
+// own kMTiles m16 tiles each (32 rows a warp up to head size 128, else 16), or, at head size 64
+// for a grid short of a CTA per SM, its 8 warps 16 rows each. K/V tiles of kBlockN
 // cache positions are gathered through the block table into shared memory with cp.async, in a
 // ring of 2-3 buffers so the next tiles' gathers overlap this tile's math. S = Q K^T and
 // O += P V run on mma.sync m16n8k16 with fp32 accumulators, operands read with ldmatrix; each K / V
@@ -31,17 +32,20 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr int kPrefillThreads = 128;  // 4 warps
 constexpr float kLog2e = 1.4426950408889634f;
 
-// T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3.
-template <typename T, typename Cache, int HEAD>
+// T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3. kWarps: 4, or 8 for a
+// grid short of a CTA per SM at head size 64 (launch_prefill_for_head).
+template <typename T, typename Cache, int HEAD, int kWarps = 4>
 struct PrefillConfig {
   static constexpr bool kFp8 = std::is_same<Cache, Fp8E4M3>::value;
+  static constexpr int kThreads = kWarps * kWarpSize;
   // m16 tiles per warp: two (FA2's 128-row CTA) halve the shared-memory reads per mma, but their
-  // O accumulators take HEAD floats a lane, so past head size 128 a warp keeps 16 rows.
-  static constexpr int kMTiles = HEAD <= 128 ? 2 : 1;
-  static constexpr int kBlockM = 4 * 16 * kMTiles;  // query rows per CTA
+  // O accumulators take HEAD floats a lane, so past head size 128 a warp keeps 16 rows. 8-warp
+  // CTAs keep 128 rows as 16 a warp: with one CTA per SM (a short grid), each warp's serial
+  // chain of tiles, not shared-memory bandwidth, bounds the time, and twice the warps shorten it.
+  static constexpr int kMTiles = kWarps == 4 && HEAD <= 128 ? 2 : 1;
+  static constexpr int kBlockM = kWarps * 16 * kMTiles;  // query rows per CTA
   // Keys per K/V tile: O and S (kMTiles * kBlockN / 2 floats a lane) stay in registers, unspilled.
   static constexpr int kBlockN = HEAD <= 128 ? 64 : 32;
   static constexpr int kStride = HEAD + 8;  // padded smem row: conflict-free ldmatrix
@@ -188,10 +192,11 @@ __device__ __forceinline__ void warp_pv(float (&o)[C::kMTiles][C::kOTiles][4],
   }
 }
 
-template <typename T, typename Cache, int HEAD>
-__global__ void __launch_bounds__(kPrefillThreads)
+template <typename T, typename Cache, int HEAD, int kWarps>
+__global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThreads)
     paged_prefill_kernel(const AttentionParams p, const int32_t* __restrict__ tile_offsets) {
-  using C = PrefillConfig<T, Cache, HEAD>;
+  using C = PrefillConfig<T, Cache, HEAD, kWarps>;
+  constexpr int kThreads = C::kThreads;
   constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
   constexpr int kCacheVec = C::kCacheVec, kCacheCpr = C::kCacheChunksPerRow, kStageStride = C::kStageStride;
 
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   // Q tile: rows past q_len and dims past head_size are zeros.
   {
     const T* qbase = static_cast<const T*>(p.query) + int64_t(head) * p.q_head_stride;
-    for (int idx = tid; idx < kBlockM * kCpr; idx += kPrefillThreads) {
+    for (int idx = tid; idx < kBlockM * kCpr; idx += kThreads) {
       const int r = idx / kCpr, c = idx % kCpr;
       const bool valid = m0 + r < q_len && c < chunks;
       const T* src = valid ? qbase + int64_t(q_start + m0 + r) * p.q_row_stride + c * 8 : qbase;
@@ -254,7 +259,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
     // Two rows' table lookups in flight: a full unroll hoists every row's address math into
     // registers, which 32-row warps' accumulators leave too few of (it spills at head size 128).
 #pragma unroll 2
-    for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kPrefillThreads) {
+    for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kThreads) {
       const int r = idx / kCacheCpr, c = idx % kCacheCpr;
       const int pos = j * kBlockN + r;
       const int block = pos < kv_end ? __ldg(table + (pos >> log2_bs)) : -1;
@@ -275,7 +280,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   auto convert_kv = [&](int buf) {
     constexpr int kUnitsPerRow = HEAD / 8;
     const Cache* src = stage + buf * 2 * kBlockN * kStageStride;
-    for (int idx = tid; idx < 2 * kBlockN * kUnitsPerRow; idx += kPrefillThreads) {
+    for (int idx = tid; idx < 2 * kBlockN * kUnitsPerRow; idx += kThreads) {
       const int r = idx / kUnitsPerRow, c = idx % kUnitsPerRow;
       const uint2 codes = *reinterpret_cast<const uint2*>(src + r * kStageStride + c * 8);
       *reinterpret_cast<uint4*>(kv_s + r * kStride + c * 8) = fp8x8_to<T>(codes);
@@ -387,29 +392,39 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 }
 
-template <typename T, typename Cache, int HEAD>
+template <typename T, typename Cache, int HEAD, int kWarps>
 cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
-  using C = PrefillConfig<T, Cache, HEAD>;
+  using C = PrefillConfig<T, Cache, HEAD, kWarps>;
+  const auto kernel = paged_prefill_kernel<T, Cache, HEAD, kWarps>;
   prefill_tile_offsets_kernel<C::kBlockM><<<1, kWarpSize, 0, stream>>>(p.query_start_loc, p.num_seqs,
                                                                        p.num_rows, offsets);
   // Opting in above 48 KiB of dynamic shared memory is per kernel and cheap; redo it each launch
   // rather than track devices.
-  cudaError_t err = cudaFuncSetAttribute(paged_prefill_kernel<T, Cache, HEAD>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmemBytes));
   if (err != cudaSuccess) return err;
   // sum of ceil(q_len / kBlockM) <= num_tokens / kBlockM + num_seqs; surplus CTAs exit at once.
   const dim3 grid(ceil_div(p.num_rows, C::kBlockM) + p.num_seqs, p.num_heads);
-  paged_prefill_kernel<T, Cache, HEAD><<<grid, kPrefillThreads, C::kSmemBytes, stream>>>(p, offsets);
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, offsets);
   return cudaGetLastError();
 }
 
-// Every head size of one (query, cache) dtype pair: what one attention_prefill_*.cu file instantiates.
+// Every head size and CTA shape of one (query, cache) dtype pair: what one attention_prefill_*.cu
+// file instantiates. At head size 64, 8-warp CTAs where the 128-row tiles (counted as if the
+// tokens were one sequence) are fewer than the SMs: SmolLM2's 1k-token prefill, 72 CTAs on an
+// H200's 132 SMs, ran 3% faster (34.9 against 35.9-36.2 us, docs/gpu/kernels_cuda_run9.json).
 template <typename T, typename Cache>
-cudaError_t launch_prefill_for_head(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
+cudaError_t launch_prefill_for_head(const AttentionParams& p, const PrefillWork& w, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_head_size(p.head_size, [&](auto head) {
-    err = launch_typed<T, Cache, decltype(head)::value>(p, offsets, stream);
+    constexpr int kHead = decltype(head)::value;
+    if constexpr (kHead == 64) {
+      if (int64_t(ceil_div(p.num_rows, 128)) * p.num_heads < w.num_sms) {
+        err = launch_typed<T, Cache, kHead, 8>(p, w.tile_offsets, stream);
+        return;
+      }
+    }
+    err = launch_typed<T, Cache, kHead, 4>(p, w.tile_offsets, stream);
   });
   return err;
 }

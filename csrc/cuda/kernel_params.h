@@ -76,10 +76,17 @@ int decode_ctas_per_sm(const AttentionParams& p, int shared_memory_per_sm);
 // caches: prefill rows through the same SIMT kernel, single pass).
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& work, cudaStream_t stream);
 
+// Prefill's device scratch and the GPU's SM count: at head size 64, a grid short of a CTA per SM
+// gets CTAs of 8 warps (16 query rows each) instead of 4 (32 rows each), so each busy SM has
+// twice the warps.
+struct PrefillWork {
+  int32_t* tile_offsets;  // num_seqs + 1 ints
+  int num_sms;
+};
+
 // Tensor-core prefill for fp16/bf16 queries over their own dtype's cache or an fp8 one.
-// workspace: num_seqs + 1 ints of device scratch.
 // query must be 16-byte aligned with row/head strides that are multiples of 8 elements.
-cudaError_t launch_paged_prefill(const AttentionParams& p, int32_t* workspace, cudaStream_t stream);
+cudaError_t launch_paged_prefill(const AttentionParams& p, const PrefillWork& work, cudaStream_t stream);
 // Whether launch_paged_prefill serves these dtypes (the rest take launch_paged_decode).
 bool prefill_uses_tensor_cores(const AttentionParams& p);
 

@@ -174,7 +174,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
       p.q_row_stride = q.stride(0), p.q_head_stride = q.stride(1);
     }
     at::Tensor offsets = at::empty({seq_lens.size(0) + 1}, seq_lens.options());
-    C10_CUDA_CHECK(launch_paged_prefill(p, offsets.data_ptr<int32_t>(), current_stream()));
+    C10_CUDA_CHECK(launch_paged_prefill(p, PrefillWork{offsets.data_ptr<int32_t>(), num_sms()}, current_stream()));
   } else {
     // fp32 queries: every query token is a row of the SIMT decode kernel, single pass, causal
     // limit from its position (see attention_prefill.cu for why not on tensor cores). That

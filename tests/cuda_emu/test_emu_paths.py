@@ -49,6 +49,35 @@ def test_prefill_path(dtype, cache_dtype, tensor_cores):
     assert (mmas > 0) == tensor_cores, f"{mmas} mma.sync operations"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("num_sms", [132, 1])
+def test_prefill_cta_shapes(num_sms, cache_dtype):
+    # 2 sequences x 4 heads, a 128-row tile each, head size 64: under 132 SMs the grid takes
+    # 8-warp CTAs (16 rows a warp), with one SM the 4-warp ones (32 rows a warp). Both against the
+    # reference, with cached context (28 and 10 tokens).
+    from kvpage.ops import reference
+
+    backend = get_backend("emu")
+    query, key_cache, value_cache, tables = attention_inputs(backend.ops, torch.float16, cache_dtype, 200)
+    starts, lens = torch.tensor([0, 100, 200], dtype=torch.int32), torch.tensor([128, 110], dtype=torch.int32)
+    tables = torch.cat([tables, tables.flip(1)])
+    out = []
+
+    def prefill():
+        backend.emu.set_num_sms(num_sms)  # after stats_of's get_backend, which sets 132
+        out.append(backend.ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens))
+
+    try:
+        added = stats_of(prefill)
+    finally:
+        backend.emu.set_num_sms(132)
+    # Two launches: the one-warp tile-offsets kernel, then the prefill grid.
+    assert (added["threads"] - 32) // (added["blocks"] - 1) == (256 if num_sms == 132 else 128)
+    out = out[0]
+    expected = reference.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("dtype, cache_dtype, num_heads, head_size, tensor_cores", [
     (torch.float16, torch.float16, 4, 64, True),     # GQA group of 2
     (torch.bfloat16, torch.bfloat16, 6, 128, True),  # group of 3, as SmolLM2

@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", [] {
     const emu::Stats s = emu::stats();
     return py::dict(py::arg("launches") = s.launches, py::arg("blocks") = s.blocks,
+                    py::arg("threads") = s.threads,
                     py::arg("switches") = s.switches, py::arg("barriers") = s.barriers,
                     py::arg("collectives") = s.collectives, py::arg("mmas") = s.mmas);
   });

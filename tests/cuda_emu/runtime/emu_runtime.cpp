@@ -324,7 +324,7 @@ uint64_t block_seed(uint64_t launch, uint64_t block) {
 }
 
 void add_stats(Stats& total, const Stats& part) {
-  total.blocks += part.blocks, total.switches += part.switches, total.barriers += part.barriers;
+  total.blocks += part.blocks, total.threads += part.threads, total.switches += part.switches, total.barriers += part.barriers;
   total.collectives += part.collectives, total.mmas += part.mmas;
 }
 
@@ -370,7 +370,7 @@ void run_grid(const void* kernel, dim3 grid, dim3 block_dims, size_t smem, Kerne
       if (failed.load(std::memory_order_relaxed)) continue;
       w.block_idx = make_uint3(unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (int64_t(grid.x) * grid.y)));
       w.rng = block_seed(launch, uint64_t(i));
-      ++w.stats.blocks;
+      ++w.stats.blocks, w.stats.threads += uint64_t(threads);
       try {
         run_block(static_cast<int>(threads));
       } catch (const std::exception& ex) {

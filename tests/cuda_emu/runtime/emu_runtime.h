@@ -9,7 +9,7 @@
 namespace emu {
 
 struct Stats {
-  uint64_t launches = 0, blocks = 0, switches = 0, barriers = 0, collectives = 0;
+  uint64_t launches = 0, blocks = 0, threads = 0, switches = 0, barriers = 0, collectives = 0;
   uint64_t mmas = 0;  // warp-wide mma.sync operations served (tensor-core paths)
 };
 
