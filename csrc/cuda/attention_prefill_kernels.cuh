@@ -58,6 +58,7 @@ struct PrefillConfig {
   static constexpr int kCacheVec = 16 / sizeof(Cache);  // cache elements per 16-byte chunk
   static constexpr int kCacheChunksPerRow = HEAD / kCacheVec;
   static constexpr int kStageStride = kFp8 ? HEAD : kStride;  // in Cache elements
+  static constexpr int kGatherUnroll = kFp8 && HEAD == 128 && std::is_same<T, __nv_bfloat16>::value ? 1 : 2;
   // K/V tiles in flight: a ring of kStages buffers, the gathers of the next kStages - 1 tiles
   // overlapping this one's math. 3 up to head size 64, whose tiles are small and whose math is
   // short next to a gather's latency (SmolLM2's 1k-token prefill is 72 CTAs, one per SM, each a
@@ -258,7 +259,8 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
     Cache* v_dst = k_dst + kBlockN * kStageStride;
     // Two rows' table lookups in flight: a full unroll hoists every row's address math into
     // registers, which 32-row warps' accumulators leave too few of (it spills at head size 128).
-#pragma unroll 2
+    // One for bf16 queries over fp8 at head size 128, which spilled 8 bytes at two on sm_90.
+#pragma unroll (C::kGatherUnroll)
     for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kThreads) {
       const int r = idx / kCacheCpr, c = idx % kCacheCpr;
       const int pos = j * kBlockN + r;
