@@ -8,28 +8,23 @@
 namespace kvpage {
 namespace cuda {
 
-int decode_ctas_per_row(int num_heads, int num_kv_heads) {
-  const int group = num_heads / num_kv_heads;
-  int tiles = 0;
-  dispatch_group_tile(group, [&](auto gt) { tiles = (group + decltype(gt)::value - 1) / decltype(gt)::value; });
-  return num_kv_heads * tiles;
-}
-
 bool decode_uses_tensor_cores(const AttentionParams& p) {
   const bool sixteen_bit = p.dtype == DType::kHalf || p.dtype == DType::kBFloat16;
   return sixteen_bit && p.cache_dtype == p.dtype && p.num_heads >= 2 * p.num_kv_heads && p.head_size <= 128;
 }
 
-int decode_ctas_per_sm(const AttentionParams& p, int shared_memory_per_sm) {
-  int smem = 0, by_registers = 1;
+DecodeOccupancy decode_occupancy(const AttentionParams& p, int shared_memory_per_sm) {
+  int heads_per_cta = 1, smem = 0, by_registers = 1;
   dispatch_attention_dtypes(p.dtype, p.cache_dtype, [&](auto query, auto cache) {
     visit_decode_kernel<decltype(query), decltype(cache)>(p, [&](auto kernel) {
       using Config = typename decltype(kernel)::Config;
-      smem = Config::Ring::kSmemBytes, by_registers = Config::kMinBlocksPerSm;
+      heads_per_cta = Config::kHeadsPerCta, smem = Config::Ring::kSmemBytes, by_registers = Config::kMinBlocksPerSm;
     });
   });
+  const int group = p.num_heads / p.num_kv_heads;
   constexpr int kReservedPerCta = 1024;  // shared memory the runtime keeps per CTA (sm_80 and later)
-  return std::max(1, std::min(by_registers, shared_memory_per_sm / (smem + kReservedPerCta)));
+  return DecodeOccupancy{p.num_kv_heads * ((group + heads_per_cta - 1) / heads_per_cta),
+                         std::max(1, std::min(by_registers, shared_memory_per_sm / (smem + kReservedPerCta)))};
 }
 
 cudaError_t launch_paged_decode(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {

@@ -28,6 +28,7 @@ namespace {
 
 template <typename Cache, int HEAD, int GT>
 struct DecodeConfig {
+  static constexpr int kHeadsPerCta = GT;
   // Bytes per K/V load. 16, except for fp8 with 8 heads per CTA: a 16-byte load holds 16 fp8
   // values, doubling a lane's share of q and of the accumulators (GT x 16 floats each), which
   // for GT = 8 no longer fits in registers; 8-byte loads keep that tile's share at 8.
@@ -250,7 +251,8 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeConfig<Cache, HEAD, GT>
 }
 
 // The decode kernels as types, for the one place that chooses between them (visit_decode_kernel):
-// Config (its Ring and kMinBlocksPerSm: what the split planner needs) and launch.
+// Config (kHeadsPerCta, Ring and kMinBlocksPerSm: what the split planner needs) and launch. Only
+// launch's body names the kernel, so reading a Config (attention_decode.cu) instantiates none.
 template <typename T, typename Cache, int HEAD, int GT>
 struct SimtDecode {
   using Config = DecodeConfig<Cache, HEAD, GT>;
@@ -263,7 +265,8 @@ template <typename T, int HEAD>
 struct MmaDecode {
   using Config = MmaDecodeConfig<T, HEAD>;
   static cudaError_t launch(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
-    return launch_decode_mma<T, HEAD>(p, w, stream);
+    return launch_decode_grid<T, Config::kHeadsPerCta, paged_decode_mma_kernel<T, HEAD>>(Config::Ring::kSmemBytes,
+                                                                                          p, w, stream);
   }
 };
 

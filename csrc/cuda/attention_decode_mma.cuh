@@ -145,13 +145,6 @@ __global__ void __launch_bounds__(kDecodeThreads, (MmaDecodeConfig<T, HEAD>::kMi
   store_merged<T>(p, w, cta, states);
 }
 
-template <typename T, int HEAD>
-cudaError_t launch_decode_mma(const AttentionParams& p, const DecodeWork& w, cudaStream_t stream) {
-  using C = MmaDecodeConfig<T, HEAD>;
-  return launch_decode_grid<T, C::kHeadsPerCta, paged_decode_mma_kernel<T, HEAD>>(C::Ring::kSmemBytes, p, w,
-                                                                                  stream);
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace kvpage

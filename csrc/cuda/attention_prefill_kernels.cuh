@@ -421,7 +421,7 @@ cudaError_t launch_prefill_for_head(const AttentionParams& p, const PrefillWork&
   dispatch_head_size(p.head_size, [&](auto head) {
     constexpr int kHead = decltype(head)::value;
     if constexpr (kHead == 64) {
-      if (int64_t(ceil_div(p.num_rows, 128)) * p.num_heads < w.num_sms) {
+      if (int64_t(ceil_div(p.num_rows, PrefillConfig<T, Cache, kHead, 8>::kBlockM)) * p.num_heads < w.num_sms) {
         err = launch_typed<T, Cache, kHead, 8>(p, w.tile_offsets, stream);
         return;
       }

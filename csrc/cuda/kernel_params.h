@@ -59,18 +59,20 @@ struct DecodeWork {
   bool overlap_reduce;  // launch the reduce as a programmatic dependent (the device is sm_90+)
 };
 
-// CTAs the decode kernel runs per query row and partition: one per KV head and tile of up to
-// 1, 4 or 8 query heads of its GQA group (see dispatch_group_tile).
-int decode_ctas_per_row(int num_heads, int num_kv_heads);
-
 // Whether launch_paged_decode runs these on tensor cores: fp16 / bf16 queries over their own
 // dtype's cache, GQA groups (2 or more query heads per KV head), head sizes up to 128. The rest
 // (fp32, fp8 caches, MHA, head sizes 192 / 256) take the SIMT kernel.
 bool decode_uses_tensor_cores(const AttentionParams& p);
 
-// CTAs of the decode kernel serving p that one SM runs at once: its register budget's, or fewer
-// where its shared memory (the K/V ring) fills the SM's shared_memory_per_sm bytes.
-int decode_ctas_per_sm(const AttentionParams& p, int shared_memory_per_sm);
+// The decode kernel serving p, as the split planner sees it: its CTAs per query row and partition
+// (one per KV head and tile of its GQA group's query heads), and the CTAs one SM runs at once
+// (its register budget's, or fewer where its shared memory, the K/V ring, fills the SM's
+// shared_memory_per_sm bytes).
+struct DecodeOccupancy {
+  int ctas_per_row;
+  int ctas_per_sm;
+};
+DecodeOccupancy decode_occupancy(const AttentionParams& p, int shared_memory_per_sm);
 
 // Decode, and the prefill the tensor-core kernel does not serve (fp32 queries, over fp32 or fp8
 // caches: prefill rows through the same SIMT kernel, single pass).

@@ -43,18 +43,18 @@ struct DecodeSplit {
   int64_t max_partitions = 1;
 };
 
-// From shapes alone (no sync): the table width bounds the longest sequence. wave: CTAs the GPU
-// runs at once; forced: the caller's partition_size (0: choose). Partitions past a sequence's end
-// exit at once, and the reduce reads only the ones that exist.
-DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t wave,
-                              int64_t forced) {
+// From shapes alone (no sync): the table width bounds the longest sequence. wave: CTAs the GPU's
+// sms run at once; forced: the caller's partition_size (0: choose). Partitions past a sequence's
+// end exit at once, and the reduce reads only the ones that exist.
+DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int64_t block_size, int64_t sms,
+                              int64_t wave, int64_t forced) {
   DecodeSplit split;
   int64_t part = forced;
   if (forced == 0) {
     const int64_t ctas = ctas_per_partition;
     if (ctas >= 2 * wave) return split;
     auto grid = [&](int64_t p) { return ctas * ((capacity + p - 1) / p); };
-    part = std::max(2 * ctas < num_sms() ? kMinPartitionTokens : kBusyMinPartitionTokens, block_size);
+    part = std::max(2 * ctas < sms ? kMinPartitionTokens : kBusyMinPartitionTokens, block_size);
     if (ctas >= wave) {
       if (grid(part) < 2 * wave) return split;  // no split reaches two waves
       while (part < capacity && grid(2 * part) >= 2 * wave) part *= 2;
@@ -125,10 +125,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
 
-  const int64_t wave = int64_t(num_sms()) * decode_ctas_per_sm(p, shared_memory_per_sm());
+  const int64_t sms = num_sms();
+  const DecodeOccupancy occupancy = decode_occupancy(p, shared_memory_per_sm());
   const DecodeSplit split =
-      plan_decode_split(query.size(0) * decode_ctas_per_row(p.num_heads, p.num_kv_heads),
-                        block_tables.size(1) * cache.block_size, cache.block_size, wave, partition_size);
+      plan_decode_split(query.size(0) * occupancy.ctas_per_row, block_tables.size(1) * cache.block_size,
+                        cache.block_size, sms, sms * occupancy.ctas_per_sm, partition_size);
   DecodeWork w{};
   at::Tensor tmp;
   if (split.partition_size > 0) {
