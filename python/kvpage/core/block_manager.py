@@ -1,6 +1,7 @@
 """The block manager: block tables over a shared device pool, copy-on-write, prefix caching, swap."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from . import hashing
@@ -65,6 +66,7 @@ class BlockManager:
         self._computing: dict[bytes, tuple[int, BlockKey]] = {}
         self._computing_blocks: set[int] = set()
         self._in_step_readers: set[int] = set()
+        self._indexed_this_step: list[int] = []  # what undo_step_indexing takes back
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._num_cow = 0
@@ -130,6 +132,7 @@ class BlockManager:
         self._computing.clear()
         self._computing_blocks.clear()
         self._in_step_readers.clear()
+        self._indexed_this_step.clear()
 
     def note_computing(self, seq: Sequence, start: int, end: int) -> None:
         """This step computes tokens [start, end) of `seq` (slots already made): the full blocks they
@@ -287,6 +290,26 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.swapped = False
 
+    def counters(self) -> tuple[int, ...]:
+        """The statistics counters, for a step that may have to be taken back (restore_counters)."""
+        return self._queried_tokens, self._hit_tokens, self._num_cow, self._swapped_out, self._swapped_in
+
+    def restore_counters(self, counters: tuple[int, ...]) -> None:
+        self._queried_tokens, self._hit_tokens, self._num_cow, self._swapped_out, self._swapped_in = counters
+
+    def undo_step_indexing(self) -> None:
+        """Take back the prefix-cache entries made since begin_step(): a swap-in indexes its device
+        blocks before the step copies anything into them, so a step taken back leaves them empty."""
+        self.forget_contents(self._indexed_this_step)
+        self._indexed_this_step.clear()
+
+    def rebuild_accounting(self, seqs) -> None:
+        """Make both pools agree with the block tables of `seqs` (every sequence holding blocks): the
+        tables are the truth, ref counts and free lists are derived from them."""
+        seqs = list(seqs)
+        self.device.rebuild(Counter(b for seq in seqs if not seq.swapped for b in seq.block_table))
+        self.host.rebuild(Counter(b for seq in seqs if seq.swapped for b in seq.block_table))
+
     def forget_contents(self, block_ids) -> None:
         """Device blocks a failed step was to fill by swap-in or copy may hold anything: never a prefix hit."""
         for block_id in block_ids:
@@ -352,7 +375,8 @@ class BlockManager:
         hashes = seq.block_hashes
         if len(hashes) == i:  # the usual case, a block that just filled: pack and hash it once
             hashes.append(key.digest())
-        cache.insert(block_id, hashes[i], key)
+        if cache.insert(block_id, hashes[i], key):
+            self._indexed_this_step.append(block_id)
 
     # -- swap ----------------------------------------------------------------------------------
 

@@ -93,6 +93,18 @@ class BlockPool:
         if parked:
             self._free.append(block_id)
 
+    def rebuild(self, table_entries) -> None:
+        """Recompute every ref count, the used counter and the free list from `table_entries` (block ->
+        how many tables point at it): the way back to a consistent pool after an exception cut a
+        mutation short. Indexed blocks nobody references stay prefix-cache hits."""
+        refs = self.ref_counts
+        refs[:] = [0] * self.num_blocks  # in place: the block manager keeps a reference to this list
+        for block_id, count in table_entries.items():
+            refs[block_id] = count
+        self.num_used = sum(1 for r in refs if r)
+        cached = self.cache.rebuild(refs) if self.cache is not None else set()
+        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if not refs[b] and b not in cached]
+
     def free_blocks(self) -> list[int]:
         """The plain free list (for checks and tests; not on any hot path)."""
         return list(self._free)

@@ -88,6 +88,20 @@ class PrefixCache:
         del self._key_of_block[block_id]
         self._evictable.pop(block_id, None)
 
+    def rebuild(self, ref_counts: list[int]) -> set[int]:
+        """Drop any entry an interrupted update left half made, and make exactly the indexed blocks
+        nobody references evictable (those already parked keep their LRU order). Returns them."""
+        whole = {b: h for b, h in self._hash_of_block.items()
+                 if self._block_by_hash.get(h) == b and b in self._key_of_block}
+        self._key_of_block = {b: self._key_of_block[b] for b in whole}
+        self._hash_of_block = whole
+        self._block_by_hash = {h: b for b, h in whole.items()}
+        unreferenced = [b for b in whole if not ref_counts[b]]
+        order = [b for b in self._evictable if b in whole and not ref_counts[b]]
+        order += [b for b in unreferenced if b not in self._evictable]
+        self._evictable = OrderedDict.fromkeys(order)
+        return set(order)
+
     def hash_of(self, block_id: int) -> bytes | None:
         return self._hash_of_block.get(block_id)
 

@@ -11,6 +11,9 @@ Steps 3 and 4 are skipped in a step that preempted (the memory that just ran out
 give), and 4 while anything is swapped (swapped requests would starve behind new ones).
 After the runner executes the step, `update_from_output` records what was computed and sampled; if
 executing it failed instead, `discard_step` forgets it, so the next schedule() can run.
+Every step is a transaction (transaction.py): an exception anywhere inside schedule() or
+update_from_output() puts the bookkeeping back as it was before schedule(), and the few assignments
+that commit a request or a step run with Ctrl-C deferred (interrupts.py).
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from typing import Iterable, Mapping
 
 from .block_manager import BlockManager
 from .block_table import num_blocks_for
+from .interrupts import deferred_interrupts
 from .policies import get_policy
 from .request import FinishReason, Request, RequestStatus
 from .scheduler_config import SchedulerConfig, SchedulerStats, check_max_model_len
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence, SequenceGroup
+from .transaction import SchedulerSnapshot
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "check_max_model_len"]
 
@@ -54,6 +59,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._finished_ids: list[str] = []
         self._pending: SchedulerOutput | None = None
+        self._snapshot: SchedulerSnapshot | None = None  # the state before the pending step
         self._scheduled: set[str] = set()  # request ids with tokens in the step being built
         self._scheduled_seqs: set[int] = set()
         self.step = 0
@@ -86,10 +92,11 @@ class Scheduler:
         request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, eos_token_id,
                           frozenset(stop_token_ids), ignore_eos, arrival_order=self._next_arrival,
                           arrival_step=self.step, wants_prompt_logits=bool(prompt_logits))
-        self._next_arrival += 1
-        self.requests[request_id] = request
-        self._seqs[seq.seq_id] = seq
-        self.waiting.append(request)
+        with deferred_interrupts():  # registered in all three places or in none
+            self._next_arrival += 1
+            self.requests[request_id] = request
+            self._seqs[seq.seq_id] = seq
+            self.waiting.append(request)
         return request
 
     def _check_fits(self, request_id: str, num_prompt: int, max_tokens: int, n: int) -> None:
@@ -115,19 +122,71 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        for seq in request.live_seqs():
-            request.finish_reasons[seq.seq_id] = FinishReason.ABORT
-        self._finish_request(request)
+        with deferred_interrupts():
+            for seq in request.live_seqs():
+                request.finish_reasons[seq.seq_id] = FinishReason.ABORT
+            self._finish_request(request)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of the unfinished requests: together their tables hold every used block."""
+        return list(self._seqs.values())
+
+    def rebuild_block_accounting(self) -> None:
+        """Make the block pools agree with the block tables of this scheduler's sequences, dropping
+        whatever else held blocks (an engine-level loop over the block manager that failed)."""
+        self.bm.rebuild_accounting(self.sequences())
+
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Decide the next step. If this raises (whatever, wherever), nothing has changed."""
         if self._pending is not None:
             raise RuntimeError(f"schedule() called again before update_from_output() for step {self._pending.step}")
+        self._snapshot = self._take_snapshot()
+        try:
+            out = self._schedule()
+            self._pending = out
+            self.step += 1
+            return out
+        except BaseException:
+            self._roll_back()
+            raise
+
+    @property
+    def pending(self) -> SchedulerOutput | None:
+        """The step schedule() returned that neither update_from_output nor discard_step has ended."""
+        return self._pending
+
+    # Fields a step may change beside the requests it touches (see transaction.py).
+    _STEP_FIELDS = ("waiting", "running", "swapped", "requests", "_seqs", "_finished_ids", "step", "_next_admit",
+                    "_next_seq_id", "num_finished", "num_swap_preemptions", "num_recompute_preemptions")
+
+    def _take_snapshot(self) -> SchedulerSnapshot:
+        state = {name: getattr(self, name) for name in self._STEP_FIELDS}
+        for name in ("waiting", "running", "swapped", "requests", "_seqs", "_finished_ids"):
+            state[name] = type(state[name])(state[name])  # shallow copies; the requests are saved below
+        snapshot = SchedulerSnapshot(state, self.bm.counters())
+        for request in self.running + list(self.swapped):
+            snapshot.save(request)
+        return snapshot
+
+    def _roll_back(self) -> None:
+        """Back to the state before schedule(): fields, touched requests, then the pools from the tables."""
+        with deferred_interrupts():
+            snapshot, self._snapshot, self._pending = self._snapshot, None, None
+            for name, value in snapshot.state.items():
+                setattr(self, name, value)  # the snapshot's own copies: it is discarded here
+            snapshot.restore_requests()
+            self.bm.restore_counters(snapshot.manager_counters)
+            self.bm.undo_step_indexing()
+            self.bm.begin_step()
+            self.rebuild_block_accounting()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
         self._finished_ids = []
         self._scheduled, self._scheduled_seqs = set(), set()
@@ -139,8 +198,6 @@ class Scheduler:
             self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
-        self._pending = out
-        self.step += 1
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -197,6 +254,7 @@ class Scheduler:
         while self.waiting and budget.fits(1, 1):
             request = self.waiting[0]
             head = request.live_seqs()[0]
+            self._snapshot.save(request)
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
             if not self._allocate(request, head, out, budget):
                 return
@@ -318,7 +376,16 @@ class Scheduler:
         live = [(s, self.requests[s.request_id]) for s in out.scheduled
                 if s.request_id in self.requests and s.seq_id not in self.requests[s.request_id].finish_reasons]
         tokens = {s.seq_id: self._sampled_tokens(s, sampled) for s, _ in live if s.do_sample}  # check all first
-        self._pending = None
+        try:
+            with deferred_interrupts():
+                finished = self._commit(live, tokens)
+                self._pending = self._snapshot = None
+        except Exception:
+            self._recover_after_run(out)
+            raise
+        return finished
+
+    def _commit(self, live, tokens: dict[int, list[int]]) -> list[Request]:
         finished = []
         for s, request in live:
             seq = self._seqs[s.seq_id]
@@ -345,7 +412,12 @@ class Scheduler:
         """
         if out is not self._pending:
             return False
-        self._pending = None
+        with deferred_interrupts():
+            self._discard(out)
+        return True
+
+    def _discard(self, out: SchedulerOutput) -> None:
+        self._pending = self._snapshot = None
         self._finished_ids = out.finished_request_ids + self._finished_ids  # the runner may not have seen them
         untrusted = {dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy}
         self.bm.forget_contents(untrusted)
@@ -356,7 +428,21 @@ class Scheduler:
         # Oldest admitted ends up at the front of the queue, as recompute preemption leaves it.
         for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
             self._requeue_for_recompute(request)
-        return True
+
+    def _recover_after_run(self, out: SchedulerOutput) -> None:
+        """update_from_output failed part way (a bug: its inputs were checked first). Back to the state
+        before schedule(); the runner did run the step, so whoever held KV in a slot it wrote (blocks a
+        preemption freed and the step reused) is recomputed, and no such block stays a prefix hit."""
+        self._roll_back()
+        bs = self.bm.block_size
+        written = {slot for s in out.scheduled for slot in s.slot_mapping if slot >= 0}
+        written.update(b * bs + i for _, b in out.blocks_to_swap_in + out.blocks_to_copy for i in range(bs))
+        host_written = {b for _, b in out.blocks_to_swap_out}
+        self.bm.forget_contents({slot // bs for slot in written})
+        victims = [r for r in self.running if any(_reads_written(seq, written, bs) for seq in r.live_seqs())]
+        victims += [r for r in self.swapped if any(b in host_written for s in r.live_seqs() for b in s.block_table)]
+        for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
+            self._requeue_for_recompute(request)
 
     def _requeue_for_recompute(self, request: Request) -> None:
         queue = self.running if request.status is RequestStatus.RUNNING else self.swapped
@@ -413,3 +499,10 @@ class Scheduler:
             num_preemptions=self.num_swap_preemptions + self.num_recompute_preemptions,
             num_swap_preemptions=self.num_swap_preemptions,
             num_recompute_preemptions=self.num_recompute_preemptions, blocks=self.bm.stats())
+
+
+def _reads_written(seq: Sequence, written: set[int], block_size: int) -> bool:
+    """Whether a slot holding one of seq's computed tokens is among `written`."""
+    table = seq.block_table
+    return any(table[p // block_size] * block_size + p % block_size in written
+               for p in range(seq.num_computed_tokens))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.core import Sequence
+from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.block_table import num_blocks_for
 from kvpage.core.scheduler_config import check_max_model_len
 
@@ -92,7 +93,13 @@ class _BeamRun:
                 if not self.unsatisfied or all(hits):
                     break
                 logits = self._decode()
-        finally:
+        except BaseException:
+            # Cut short anywhere (inside a fork or a free included): the beams' blocks are dropped by
+            # rebuilding the pools from the tables the scheduler knows, which hold no beam.
+            with deferred_interrupts():
+                self.engine.scheduler.rebuild_block_accounting()
+            raise
+        with deferred_interrupts():
             for seq in self._holders:
                 self.bm.free(seq)
         return self.finished

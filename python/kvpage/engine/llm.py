@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
 
+from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
 from .llm_engine import EngineConfig, LLMEngine, cache_salt_keys
 from .model_config import eos_token_ids, max_model_len, resolve_dtype, resolve_seed, resolve_tokenizer
 from .outputs import RequestOutput
-from .prompt_inputs import PromptItem, normalise_prompts, per_prompt_params
+from .prompt_inputs import PromptItem, normalise_conversations, normalise_prompts, per_prompt_params
 
 logger = logging.getLogger("kvpage")
 
@@ -33,7 +35,7 @@ class LLM:
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
-                 matmul_precision: str = "highest") -> None:
+                 matmul_precision: str = "highest", max_logprobs: int = 20) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -44,7 +46,9 @@ class LLM:
         the weights, reads half the bytes; greedy output is HF generate's on the rounded weights.
         matmul_precision: "highest" (float32 arithmetic) or "medium" (torch's name: the linear layers
         may compute in bf16: weights and inputs rounded to bf16, bf16 dot products with float32 sums,
-        twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical)."""
+        twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical).
+        max_logprobs (vLLM's): the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
+        Calls from several threads are safe: they run one at a time."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
@@ -58,6 +62,8 @@ class LLM:
             raise ValueError(f"swap_space_gib must be a finite number >= 0 or None, got {swap_space_gib!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if type(max_logprobs) is not int or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
@@ -99,11 +105,13 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_model_len=max_model_len(config), preemption_mode=preemption_mode,
-            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed))
+            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
                     num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
         self._counter = itertools.count()
+        # One call at a time owns the engine: a second thread waits rather than stepping into its state.
+        self._lock = threading.RLock()
 
     def _check_kv_memory(self, num_kv_blocks: int, num_host_blocks: int, block_size: int) -> None:
         """ValueError naming num_kv_blocks / swap_space_gib where the caches cannot fit in the free memory
@@ -172,33 +180,36 @@ class LLM:
         and their blocks freed before the exception propagates: the LLM then generates as before."""
         prompts = normalise_prompts(prompts)
         params = per_prompt_params(sampling_params, len(prompts))
-        return self._run([PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)], use_tqdm)
+        with self._lock:
+            return self._run([PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)],
+                             use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
-                                                    chat_template=chat_template) for c in conversations]
-        # The template already wrote the special tokens, so encode without adding them again.
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        params = per_prompt_params(sampling_params, len(texts))
-        return self._run([PromptItem(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
+        conversations = normalise_conversations(messages)
+        params = per_prompt_params(sampling_params, len(conversations))
+        with self._lock:  # the tokenizer too is used by one thread at a time
+            texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                        chat_template=chat_template) for c in conversations]
+            # The template already wrote the special tokens, so encode without adding them again.
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            return self._run([PromptItem(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
             self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
-        ids, beams = self._add_all(items)
+        ids: list[str] = []  # filled by _add_all as it queues, so a failure anywhere withdraws them all
         try:
+            beams = self._add_all(items, ids)
             results = self._drain(len(ids), use_tqdm)
         except BaseException:
             # A failed step (the engine has already discarded it) or a KeyboardInterrupt: withdraw this
             # call's requests, freeing their blocks, so the LLM goes on exactly as before this call.
-            self.llm_engine.abort_request(ids)
+            with deferred_interrupts():
+                self.llm_engine.abort_request(ids)
             raise
         # Beam search runs on the idle engine after the others (kvpage.engine.beam_search).
         from .beam_search import beam_search
@@ -233,12 +244,13 @@ class LLM:
                 bar.close()
         return results
 
-    def _add_all(self, items: list) -> tuple[list[str], dict[int, tuple]]:
-        """Check every prompt and queue the non-beam ones, or queue none: on the first that cannot run,
-        withdraw the others and raise, naming its index. Returns the queued request ids, in order, and
-        {index: (text, token ids)} of the beam requests, checked the same way (beam_search runs them)."""
+    def _add_all(self, items: list, ids: list[str]) -> dict[int, tuple]:
+        """Check every prompt and queue the non-beam ones, appending their request ids to `ids` (an id
+        goes in before its request, so the caller can withdraw whatever got queued); on the first that
+        cannot run raise, naming its index. Returns {index: (text, token ids)} of the beam requests,
+        checked the same way (beam_search runs them)."""
         from .beam_search import check_beam_request
-        ids, beams = [], {}
+        beams = {}
         for index, item in enumerate(items):
             sp = item.params
             try:
@@ -247,21 +259,18 @@ class LLM:
                     cache_salt_keys(item.cache_salt)
                     beams[index] = check_beam_request(self.llm_engine, item.prompt, item.token_ids, sp)
                     continue
-                rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, item.prompt, sp, prompt_token_ids=item.token_ids, stream=False,
+                ids.append(str(next(self._counter)))
+                self.llm_engine.add_request(ids[-1], item.prompt, sp, prompt_token_ids=item.token_ids, stream=False,
                                             cache_salt=item.cache_salt)
-            except BaseException as e:
-                self.llm_engine.abort_request(ids)
-                if isinstance(e, (ValueError, TypeError)):
-                    raise type(e)(f"prompt {index}: {e}") from e
-                raise
-            ids.append(rid)
-        return ids, beams
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {index}: {e}") from e
+        return beams
 
     def stats(self) -> dict:
         """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes
         (device pool) each rank allocated, measured on that rank."""
-        stats = self.llm_engine.stats()
+        with self._lock:
+            stats = self.llm_engine.stats()
         stats["tensor_parallel_size"] = self.tensor_parallel_size
         if self.tensor_parallel_size > 1:
             stats["kv_cache_bytes_per_rank"] = [device for device, _ in self.runner.kv_cache_bytes]

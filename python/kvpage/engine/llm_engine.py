@@ -13,12 +13,13 @@ from typing import Iterable
 import torch
 
 from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
+from kvpage.core.interrupts import deferred_interrupts
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .logits_processors import bad_words_token_ids
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_encodable
 
 
 def cache_salt_keys(cache_salt: str | None) -> tuple:
@@ -42,6 +43,7 @@ class EngineConfig:
     preemption_mode: str | None = None
     eos_token_ids: tuple[int, ...] = ()  # the first is the scheduler's eos; the rest stop like it
     seed: int = 0
+    max_logprobs: int = 20  # vLLM's cap on logprobs / prompt_logprobs; -1: the whole vocabulary
 
 
 @dataclass
@@ -53,7 +55,7 @@ class _Sample:
 
 @dataclass
 class _RequestState:
-    request: Request  # the scheduler's: its sequences hold the token ids
+    request: Request | None  # the scheduler's (its sequences hold the token ids); set as it is queued
     prompt: str | None
     params: SamplingParams
     stream: bool
@@ -113,13 +115,26 @@ class LLMEngine:
         held_back = stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())
         if params.min_tokens:
             self._check_min_tokens_reachable(params, held_back)
-        request = self.scheduler.add_request(request_id, token_ids, max_tokens=params.max_tokens, n=params.n,
-                                             eos_token_id=eos, stop_token_ids=stop_ids,
-                                             ignore_eos=params.ignore_eos,
-                                             prompt_logits=params.prompt_logprobs is not None,
-                                             extra_keys=cache_salt_keys(cache_salt))
-        state = _RequestState(request, text, params, stream, [_Sample() for _ in range(params.n)],
-                              {request.seqs[0].seq_id: 0})
+        self._check_logprobs(params)
+        extra_keys = cache_salt_keys(cache_salt)
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # Everything that can fail is done before the scheduler hears of the request (admission is
+        # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
+        state = self._new_state(text, token_ids, params, stream, held_back)
+        with deferred_interrupts():
+            state.request = self.scheduler.add_request(
+                request_id, token_ids, max_tokens=params.max_tokens, n=params.n, eos_token_id=eos,
+                stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
+                prompt_logits=params.prompt_logprobs is not None, extra_keys=extra_keys)
+            state.index_of = {state.request.seqs[0].seq_id: 0}
+            self._states[request_id] = state
+            self.num_prompt_tokens += len(token_ids)
+
+    def _new_state(self, text: str | None, token_ids: list[int], params: SamplingParams, stream: bool,
+                   held_back: set[int]) -> _RequestState:
+        """A request's engine-side state, its scheduler request still to be attached."""
+        state = _RequestState(None, text, params, stream, [_Sample() for _ in range(params.n)], {})
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         if params.bad_words:
@@ -131,8 +146,18 @@ class LLMEngine:
                 sample.detok = IncrementalDetokenizer(len(token_ids), params.skip_special_tokens)
             if params.logprobs is not None:
                 sample.logprobs = []
-        self._states[request_id] = state
-        self.num_prompt_tokens += len(token_ids)
+        return state
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs: more than that many alternatives per token is refused, not computed."""
+        cap = self.config.max_logprobs
+        if cap < 0:
+            cap = getattr(self.runner, "vocab_size", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if cap is not None and k is not None and k > cap:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={cap} (the most log-probabilities per token"
+                                 " this engine returns; LLM(max_logprobs=...) raises it)")
 
     def request_prompt(self, prompt, prompt_token_ids: list[int] | None,
                        params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -177,6 +202,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            check_encodable(prompt, "prompt")
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
             text, token_ids = None, list(prompt) if isinstance(prompt, (list, tuple)) else []
@@ -194,8 +220,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if self._states.pop(rid, None) is not None:
-                self.scheduler.abort_request(rid)
+            with deferred_interrupts():
+                if self._states.pop(rid, None) is not None:
+                    self.scheduler.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -208,27 +235,44 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of streaming requests that advanced, and of every
         request that finished (its final output)."""
-        out = self.scheduler.schedule()
-        self.num_steps += 1
-        self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
-        rows = [s for s in out.scheduled if s.do_sample]
-        sample_rows, result, prompt_logprobs = [], None, []
         try:
+            out = self.scheduler.schedule()  # on failure it has already put everything back
+            self.num_steps += 1
+            self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
+            rows = [s for s in out.scheduled if s.do_sample]
+            sample_rows, result, prompt_logprobs = [], None, []
             self._check_progress(out)
             if not out.is_empty:
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
                 sample_rows, result = self._sample(rows, logits[:len(rows)])
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
-            self.scheduler.update_from_output(out, self._sampled(rows, result))
+            sampled = self._sampled(rows, result)
+            # The commit: the scheduler's and the engine's records of the step land together.
+            with deferred_interrupts():
+                self.scheduler.update_from_output(out, sampled)
+                self._record_samples(rows, sample_rows, result)
+                for state, position, entries in prompt_logprobs:  # in order: no position comes twice
+                    state.prompt_logprobs[position + 1:] = entries
+                return self._process(rows)
         except BaseException:
             # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
             # step and its requests run again from a consistent state; the caller decides about them.
-            self.scheduler.discard_step(out)
+            # (Not `out`: an interrupt may land after schedule() returned but before out was bound.)
+            pending = self.scheduler.pending
+            if pending is not None:
+                self.scheduler.discard_step(pending)
+            self._reconcile()
             raise
-        self._record_samples(rows, sample_rows, result)
-        for state, position, entries in prompt_logprobs:  # in order: the scheduler never repeats a position
-            state.prompt_logprobs[position + 1:] = entries
-        return self._process(rows)
+
+    def _reconcile(self) -> None:
+        """After a failure: the engine's requests and the scheduler's are the same set (a request
+        only one side knows is withdrawn), so no later call trips over a half-known request."""
+        with deferred_interrupts():
+            known = self.scheduler.requests
+            for rid in [rid for rid in self._states if rid not in known]:
+                del self._states[rid]
+            for rid in [rid for rid in known if rid not in self._states]:
+                self.scheduler.abort_request(rid)
 
     def _check_progress(self, out: SchedulerOutput) -> None:
         self._idle_steps = 0 if not out.is_empty else self._idle_steps + 1

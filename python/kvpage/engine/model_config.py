@@ -8,6 +8,8 @@ import secrets
 
 import torch
 
+from .sampling_params import check_seed
+
 logger = logging.getLogger("kvpage")
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -19,9 +21,7 @@ def resolve_seed(seed) -> int:
     random one per LLM (vLLM's seed=None)."""
     if seed is None:
         return secrets.randbits(63)
-    # The range torch.Generator.manual_seed takes.
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
+    check_seed(seed)
     return seed
 
 

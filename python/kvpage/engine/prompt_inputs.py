@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_encodable
 
 
 @dataclass
@@ -62,3 +62,33 @@ def per_prompt_params(sampling_params, n: int) -> list[SamplingParams]:
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
         return list(sampling_params)
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def normalise_conversations(messages) -> list[list[dict]]:
+    """One conversation (a list of {"role", "content"} dicts) or a list of them, checked: ValueError
+    naming the message for a missing or non-text content, an unknown role or text that is not UTF-8,
+    instead of whatever the chat template's renderer would raise."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
+    conversations = [messages] if isinstance(messages[0], dict) else messages
+    for c, conversation in enumerate(conversations):
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError(f"messages[{c}] must be a non-empty list of {{'role', 'content'}} dicts")
+        for m, message in enumerate(conversation):
+            _check_message(message, f"messages[{c}][{m}]" if len(conversations) > 1 else f"messages[{m}]")
+    return conversations
+
+
+def _check_message(message, where: str) -> None:
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role, content = message.get("role"), message.get("content")
+    if role not in _ROLES:
+        raise ValueError(f"{where}: role must be one of {list(_ROLES)}, got {role!r}")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: content must be a string, got "
+                         + ("nothing" if "content" not in message else repr(type(content).__name__)))
+    check_encodable(content, f"{where} content")

@@ -19,8 +19,26 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # The smallest normal float32: a penalty below it is 0 or subnormal there (1 / it overflows).
 _FLOAT32_TINY = 1.1754943508222875e-38
 
+# torch.Generator.manual_seed's range: [-2**63, 2**64).
+SEED_MIN, SEED_END = -2**63, 2**64
+
 # Containers a list of stops may come in (order never matters: the earliest match wins).
 _COLLECTIONS = (list, tuple, set, frozenset)
+
+
+def check_encodable(text: str, name: str) -> None:
+    """ValueError naming `name` for text a tokenizer cannot take (a lone surrogate is not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} cannot be encoded as UTF-8: {e.reason} at index {e.start}"
+                         f" ({text[e.start:e.end]!r})") from None
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """An int in the range torch.Generator.manual_seed takes, rather than one silently taken mod 2**64."""
+    if not _is_int(seed) or not SEED_MIN <= seed < SEED_END:
+        raise ValueError(f"{name} must be an int in [-2**63, 2**64), got {seed!r}")
 
 
 def _strings(name: str, value) -> list[str]:
@@ -30,6 +48,8 @@ def _strings(name: str, value) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, _COLLECTIONS) or not all(isinstance(s, str) and s for s in items):
         raise ValueError(f"{name} must be None, a non-empty string or a list of them, got {value!r}")
+    for i, item in enumerate(items):
+        check_encodable(item, f"{name}[{i}]")
     return list(items)
 
 
@@ -147,8 +167,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int: 0 or -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
