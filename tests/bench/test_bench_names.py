@@ -3,7 +3,9 @@
 `python bench/X.py` puts bench/ first on sys.path, so a bench/kernels.py was imported in place of the
 `kernels` package transformers imports (transformers.integrations.hub_kernels), and every benchmark that
 loaded a model died before measuring anything (issue 38). The same holds for every directory whose
-scripts we run, and for the standard library's names.
+scripts we run, for the test directories (pytest puts each on sys.path to import its helpers, and some
+hold scripts: tests/distributed/torchrun_script.py, tests/cuda/sanitize_ops.py), and for the standard
+library's names.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # Directories whose scripts are run (python DIR/X.py), so each lands first on sys.path.
 SCRIPT_DIRS = ("bench", "bench/peers", "bench/mathlab", "examples")
+TEST_DIRS = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").iterdir()
+                         if p.is_dir() and any(p.glob("*.py"))))
+ON_SYS_PATH = SCRIPT_DIRS + TEST_DIRS
 
 
 def module_names(directory: Path) -> set[str]:
@@ -28,17 +33,17 @@ def module_names(directory: Path) -> set[str]:
 
 
 def test_every_script_directory_exists():
-    assert all((ROOT / d).is_dir() for d in SCRIPT_DIRS)
+    assert all((ROOT / d).is_dir() for d in SCRIPT_DIRS) and "tests/bench" in TEST_DIRS
 
 
-@pytest.mark.parametrize("directory", SCRIPT_DIRS)
+@pytest.mark.parametrize("directory", ON_SYS_PATH)
 def test_no_module_shadows_an_installed_package(directory):
     installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions
     clashes = {name: installed[name] for name in module_names(ROOT / directory) if name in installed}
     assert not clashes, f"{directory}/ modules named like installed packages (rename them): {clashes}"
 
 
-@pytest.mark.parametrize("directory", SCRIPT_DIRS)
+@pytest.mark.parametrize("directory", ON_SYS_PATH)
 def test_no_module_shadows_the_standard_library(directory):
     clashes = module_names(ROOT / directory) & set(sys.stdlib_module_names)
     assert not clashes, f"{directory}/ modules named like standard-library modules: {sorted(clashes)}"
@@ -48,7 +53,7 @@ def test_transformers_hub_kernels_imports_beside_our_scripts():
     """What failed in issue 38, as our scripts see it: their directories first on sys.path (all at once,
     one interpreter start), then transformers' hub-kernels integration, which imports the `kernels`
     package when it is installed."""
-    code = (f"import sys; sys.path[:0] = {[str(ROOT / d) for d in SCRIPT_DIRS]!r}; "
+    code = (f"import sys; sys.path[:0] = {[str(ROOT / d) for d in ON_SYS_PATH]!r}; "
             "import transformers.integrations.hub_kernels")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
