@@ -1,9 +1,10 @@
 """Block-manager bookkeeping throughput on many sequences: allocate, prefix lookup, decode append, free.
 
     PYTHONPATH=python python bench/block_manager.py [--num-seqs 10000] [--decode-steps 128]
+    python bench/block_manager.py --quick    # 200 sequences, 8 decode steps, best of 1: a smoke run
 
 Pure Python and CPU only. Prints a table of microseconds per token for each phase, with prefix
-caching on and off, and writes bench/results/block_manager.json and block_manager.png. The target
+caching on and off, and writes bench/results/block_manager.json and block_manager.png ($OUT/ if set). The target
 is < 2 us of bookkeeping per token amortised over a request's life (prefill + decode + free).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvpage.core import BlockManager, Sequence  # noqa: E402
 
 TARGET_US_PER_TOKEN = 2.0
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS_DIR = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def make_prompts(num_seqs: int, seed: int) -> list[list[int]]:
@@ -113,7 +114,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="200 sequences, 8 decode steps, best of 1 (smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.num_seqs, args.decode_steps, args.repeats = 200, 8, 1
 
     prompts = make_prompts(args.num_seqs, args.seed)
     results = {}
@@ -133,13 +137,14 @@ def main() -> None:
     print(f"amortised per-token bookkeeping: {worst:.3f} us (target < {TARGET_US_PER_TOKEN} us):"
           f" {'PASS' if worst < TARGET_US_PER_TOKEN else 'MISS'}")
 
+    name = "block_manager_quick" if args.quick else "block_manager"
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    with open(os.path.join(RESULTS_DIR, "block_manager.json"), "w") as f:
+    with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
         json.dump({"config": vars(args), "machine": platform.processor() or platform.machine(),
                    "python": platform.python_version(), "target_us_per_token": TARGET_US_PER_TOKEN,
                    "results": results}, f, indent=2)
-    plot(results, os.path.join(RESULTS_DIR, "block_manager.png"))
-    print(f"wrote {RESULTS_DIR}/block_manager.json and block_manager.png")
+    plot(results, os.path.join(RESULTS_DIR, f"{name}.png"))
+    print(f"wrote {RESULTS_DIR}/{name}.json and {name}.png")
 
 
 if __name__ == "__main__":

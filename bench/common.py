@@ -61,6 +61,26 @@ def read_bandwidth_gbs(num_bytes=1 << 30, iters=5):
     return num_bytes / median_time(lambda: x.sum(), iters=iters) / 1e9
 
 
+# A smoke run's engines (--quick): a KV pool its few short requests fit in many times over, and no swap
+# pool, so starting one does not first zero the default 1 GiB + 0.5 GiB.
+QUICK_ENGINE_ARGS = {"num_kv_blocks": 256, "swap_space_gib": 0}
+
+
+def add_model_argument(parser) -> None:
+    """--model: the benchmarks run the embedded default model unless given another local HF directory
+    (the smoke tests pass a tiny random model with the default model's tokenizer, so each starts in seconds)."""
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="a local HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def model_dir(model: str | None) -> Path:
+    """The directory --model names, or the embedded default model's (converted on first use)."""
+    if model:
+        return Path(model)
+    from kvpage.model.loader import default_model_dir
+    return default_model_dir()
+
+
 def machine_info():
     return {
         "machine": platform.machine(),

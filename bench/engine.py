@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, machine_info, print_table, wait_until_idle, write_json  # noqa: E402
+from common import (QUICK_ENGINE_ARGS, RESULTS_DIR, add_model_argument, machine_info, model_dir,  # noqa: E402
+                    print_table, wait_until_idle, write_json)
 from peers.vllm_launcher import VllmPeer  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, make_workload, percentile, quick_workload, run_kvpage  # noqa: E402
 from kvpage.model import cpu_layout  # noqa: E402
-from kvpage.model.loader import default_model_dir  # noqa: E402
 from kvpage.ops import layers  # noqa: E402
 
 STATIC_BATCH = 16
@@ -180,6 +180,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
                         help="kvpage's matmul_precision (medium: bf16 dot products in the linears where the CPU"
                              " has AVX512-BF16; with --bf16, vLLM's bf16 arithmetic's counterpart)")
+    add_model_argument(parser)
     args = parser.parse_args(argv)
     if args.bf16 and args.kv_cache_dtype != "auto":
         parser.error("--bf16 sets the KV cache dtype itself")
@@ -187,15 +188,16 @@ def main(argv=None) -> dict:
     rounds = args.rounds or (1 if args.quick else ROUNDS)
     if not 1 <= rounds < len(MARKER_WORDS):
         parser.error(f"--rounds must be in 1..{len(MARKER_WORDS) - 1}")
-    warmup, by_round = tokenized(workload, _tokenizer(), rounds)
+    warmup, by_round = tokenized(workload, _tokenizer(args.model), rounds)
+    engine_args = {"model": args.model, **(QUICK_ENGINE_ARGS if args.quick else {})}
     res = {"rounds": rounds}
     with_vllm = args.vllm and not args.no_peers
     for caching in ((True, False) if args.vllm else (True,)):
         res.update(compare(caching, with_vllm, workload, warmup, by_round, args.kv_cache_dtype, args.bf16,
-                           args.matmul_precision))
+                           args.matmul_precision, engine_args, args.quick))
         gc.collect()
     if not args.no_peers and not args.no_hf:
-        hf, tok = _hf_model()
+        hf, tok = _hf_model(args.model)
         for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
             res[name] = _run_peer(fn, hf, tok, workload)
     res["bf16"], res["matmul_precision"] = args.bf16, args.matmul_precision
@@ -203,34 +205,40 @@ def main(argv=None) -> dict:
 
 
 def compare(caching: bool, with_vllm: bool, workload, warmup, by_round, kv_cache_dtype: str = "auto",
-            bf16: bool = False, matmul_precision: str = "highest") -> dict:
+            bf16: bool = False, matmul_precision: str = "highest", engine_args: dict | None = None,
+            quick: bool = False) -> dict:
     """kvpage (and vLLM) at one prefix-caching setting, taking turns round by round (kvpage's KV cache
     in kv_cache_dtype; vLLM's stays in the model's dtype). bf16: both store weights and K/V in bfloat16
-    (vLLM computes in it too, kvpage in float32 unless matmul_precision is "medium")."""
+    (vLLM computes in it too, kvpage in float32 unless matmul_precision is "medium"). engine_args: more of
+    kvpage.LLM's arguments (model: --model's directory, also vLLM's; the smoke run's pool sizes).
+    quick: a smoke run, which waits for no quiet machine and times the roofline's matmul briefly."""
+    idle_wait_s = 0.0 if quick else 15.0
+    engine_args = engine_args or {}
     name, peer_name = ("kvpage", "vllm") if caching else ("kvpage_no_prefix_cache", "vllm_no_prefix_cache")
     storage = dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16") if bf16 else dict(kv_cache_dtype=kv_cache_dtype)
-    llm = kvpage.LLM(enable_prefix_caching=caching, matmul_precision=matmul_precision, **storage)
+    llm = kvpage.LLM(enable_prefix_caching=caching, matmul_precision=matmul_precision, **storage, **engine_args)
     run_kvpage(llm, Workload(warmup, workload.output_lens))  # same shapes, other tokens: one-time costs
     peer, peer_error = None, None
     if with_vllm:
         try:
-            peer = VllmPeer(str(default_model_dir()), warmup, workload.output_lens, caching,
+            peer = VllmPeer(str(model_dir(engine_args.get("model"))), warmup, workload.output_lens, caching,
                             kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads(),
                             dtype="bfloat16" if bf16 else "float32")
-        except Exception as e:  # reported in the table, not fatal
+        except Exception as e:  # reported in the table, not fatal (no vLLM venv here: kvpage runs alone)
             peer_error = f"{type(e).__name__}: {e}"
+            print(f"{peer_name} skipped: {peer_error}", flush=True)
     ours, theirs, roofs = [], [], []
     try:
         for prompts in by_round:
-            wait_until_idle()  # each system's round starts on a quiet machine
+            wait_until_idle(idle_wait_s)  # each system's round starts on a quiet machine
             ours.append(run_kvpage(llm, Workload(prompts, workload.output_lens)))
             if caching:
-                roofs.append(roofline(llm.model.config, ours[-1], workload))
+                roofs.append(roofline(llm.model.config, ours[-1], workload, quick))
             ours[-1].pop("outputs")
             print(f"{name}: {ours[-1]['output_tok_s']:.1f} output tok/s ({ours[-1]['seconds']:.1f}s)", flush=True)
             if peer is not None and peer_error is None:
                 try:
-                    wait_until_idle()
+                    wait_until_idle(idle_wait_s)
                     theirs.append(peer.run(prompts))
                     print(f"{peer_name}: {theirs[-1]['output_tok_s']:.1f} output tok/s", flush=True)
                 except Exception as e:
@@ -276,9 +284,9 @@ def tokenized(workload, tokenizer, rounds: int):
     return variant(markers[0]), [prompts] + [variant(m) for m in markers[1:rounds]]
 
 
-def roofline(config, kv_result: dict, workload) -> dict:
+def roofline(config, kv_result: dict, workload, quick: bool = False) -> dict:
     flops = kvpage_flops(config, kv_result, workload)
-    rate = matmul_flops_per_s()
+    rate = matmul_flops_per_s(256, iters=2, samples=1) if quick else matmul_flops_per_s()
     return {"model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9, "roofline_seconds": flops / rate,
             "fraction": flops / rate / kv_result["seconds"]}
 
@@ -292,15 +300,15 @@ def _run_peer(fn, *args) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _tokenizer():
+def _tokenizer(model: str | None = None):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+    return AutoTokenizer.from_pretrained(str(model_dir(model)))
 
 
-def _hf_model():
+def _hf_model(model: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(default_model_dir())
+    path = str(model_dir(model))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 

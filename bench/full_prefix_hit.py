@@ -5,6 +5,7 @@ on one LLM: rounds alternate between kvpage's rule and the old one (the match ca
 (len - 1) // block_size blocks, patched in for its rounds), each round on its own prompt.
 
     python bench/full_prefix_hit.py      # npl 32, 64; pp 128; tg 128; 2 rounds
+    python bench/full_prefix_hit.py --quick   # npl 4, pp 32, tg 8, 1 round: a smoke run
 """
 import argparse
 import random
@@ -21,8 +22,8 @@ from kvpage.engine.workload import Workload, run_kvpage  # noqa: E402
 FULL_HIT = BlockManager._match_prefix
 
 
-def last_block_recomputed(self, seq):
-    return FULL_HIT(self, seq)[: (len(seq.token_ids) - 1) // self.block_size]
+def last_block_recomputed(self, seq, *args, **kwargs):
+    return FULL_HIT(self, seq, *args, **kwargs)[: (len(seq.token_ids) - 1) // self.block_size]
 
 
 def run(llm, rule, npl, pp, tg, rng) -> float:
@@ -40,8 +41,12 @@ def main():
     parser.add_argument("--pp", type=int, default=128)
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="npl 4, pp 32, tg 8, 1 round (smoke run)")
+    common.add_model_argument(parser)
     args = parser.parse_args()
-    llm = kvpage.LLM()
+    if args.quick:
+        args.npl, args.pp, args.tg, args.rounds = "4", 32, 8, 1
+    llm = kvpage.LLM(model=args.model, **(common.QUICK_ENGINE_ARGS if args.quick else {}))
     rng = random.Random(0)
     run(llm, "full_hit", 8, args.pp, 8, rng)  # warm-up
     rows, results = [], []
@@ -55,7 +60,8 @@ def main():
                      "full/last": f"{statistics.median(ratios):.2f}x (rounds "
                                   + ", ".join(f"{r:.2f}" for r in ratios) + ")"})
     common.print_table(rows, ["npl", "last block tok/s", "full hit tok/s", "full/last"])
-    common.write_json("full_prefix_hit", {"pp": args.pp, "tg": args.tg, "results": results})
+    common.write_json("full_prefix_hit_quick" if args.quick else "full_prefix_hit",
+                      {"pp": args.pp, "tg": args.tg, "results": results})
 
 
 if __name__ == "__main__":

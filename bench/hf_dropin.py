@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, add_model_argument, machine_info, print_table, write_json  # noqa: E402
 
 from kvpage import PagedCache  # noqa: E402  (registers attn_implementation="kvpage")
 from kvpage.model import load_model  # noqa: E402
@@ -108,12 +108,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cache, in alternating order (best kept)")
+    add_model_argument(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     num, longest, new = (4, 128, 8) if args.quick else (16, 1024, 64)
     new = args.max_new_tokens or new
-    model, tokenizer = load_model(None)
+    model, tokenizer = load_model(args.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     lengths = prompt_lengths(num, 16, longest, args.spread)
     batch = make_batch(lengths, model.config.vocab_size, pad_id)

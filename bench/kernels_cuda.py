@@ -19,7 +19,7 @@ every row (a run cut short by a timeout still leaves what it measured), and prin
 the ratios the issue targets: decode GB/s vs measured copy GB/s, paged / dense time, swap GB/s
 each way, copy_blocks vs copy. A case that raises is recorded (its row gets "error") and the run
 goes on, unless the CUDA context is broken (illegal address, device assert): then it stops.
-Importable and `--help`-able without CUDA (bench/kernels.py may call run() for --device cuda)."""
+Importable and `--help`-able without CUDA (bench/kernels_cpu.py --device cuda runs it)."""
 import argparse
 import json
 import math

@@ -7,6 +7,7 @@ tok/s, its speed over the float32 cache's per round, and how many completions it
 identically to the float32 cache (greedy).
 
     python bench/kv_cache_dtype.py [--dtypes fp8,bfloat16] [--rounds 4] [--no-prefix-caching]
+    python bench/kv_cache_dtype.py --quick   # 8 short requests, 1 round: a smoke run
 """
 import argparse
 import statistics
@@ -15,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as engine_bench  # noqa: E402
-from common import write_json  # noqa: E402
+from common import QUICK_ENGINE_ARGS, add_model_argument, write_json  # noqa: E402
 
 import kvpage  # noqa: E402
-from kvpage.engine.workload import Workload, make_workload, run_kvpage  # noqa: E402
+from kvpage.engine.workload import Workload, make_workload, quick_workload, run_kvpage  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -26,13 +27,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", default="fp8,bfloat16", help="comma list of kv_cache_dtype names beside auto")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="8 short requests, 1 round (smoke run)")
+    add_model_argument(parser)
     args = parser.parse_args(argv)
     dtypes = ["auto"] + [d for d in args.dtypes.split(",") if d and d != "auto"]
-    workload = make_workload()
-    warmup, by_round = engine_bench.tokenized(workload, engine_bench._tokenizer(), args.rounds)
-    base = kvpage.LLM(enable_prefix_caching=not args.no_prefix_caching)
+    workload, rounds = (quick_workload(), 1) if args.quick else (make_workload(), args.rounds)
+    warmup, by_round = engine_bench.tokenized(workload, engine_bench._tokenizer(args.model), rounds)
+    sizes = QUICK_ENGINE_ARGS if args.quick else {}
+    base = kvpage.LLM(model=args.model, enable_prefix_caching=not args.no_prefix_caching, **sizes)
     llms = {d: base if d == "auto" else kvpage.LLM(model=base.model, tokenizer=base.tokenizer, kv_cache_dtype=d,
-                                                   enable_prefix_caching=not args.no_prefix_caching)
+                                                   enable_prefix_caching=not args.no_prefix_caching, **sizes)
             for d in dtypes}
     for llm in llms.values():
         run_kvpage(llm, Workload(warmup, workload.output_lens))
@@ -55,7 +59,7 @@ def main(argv=None) -> dict:
         print(f"{d} KV {res['by_dtype'][d]['tok_s']:.1f} tok/s, {d}/fp32 {statistics.median(ratios):.3f} (rounds "
               f"{', '.join(f'{r:.2f}' for r in ratios)}); completions identical to fp32's per round: "
               f"{identical[d]} of {res['requests']}")
-    write_json("kv_cache_dtype", res)
+    write_json("kv_cache_dtype_quick" if args.quick else "kv_cache_dtype", res)
     return res
 
 

@@ -9,6 +9,7 @@ once per pass so the weights come from memory as in the engine (a step streams ~
 weights). Min of a few passes per row count M (the decode batch), same process, same threads.
 
     python bench/linear.py [--rows 1 8 16 32 64 128 256] [--threads N]
+    python bench/linear.py --quick    # 2 layers' matrices, rows 1 and 8: a smoke run
 """
 import argparse
 import sys
@@ -31,9 +32,9 @@ SEPARATE = [(HIDDEN, HIDDEN), (KV_WIDTH, HIDDEN), (KV_WIDTH, HIDDEN), (HIDDEN, H
 FUSED = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
 
-def weights(shapes):
+def weights(shapes, layers=LAYERS):
     g = torch.Generator().manual_seed(0)
-    per_layer = [torch.randn(n, k, generator=g) * 0.02 for _ in range(LAYERS) for n, k in shapes]
+    per_layer = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers) for n, k in shapes]
     return per_layer + [torch.randn(VOCAB, HIDDEN, generator=g) * 0.02]
 
 
@@ -52,10 +53,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="2 layers' matrices, rows 1 and 8 (smoke run)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    separate, fused = weights(SEPARATE), weights(FUSED)
+    layers = 2 if args.quick else LAYERS
+    if args.quick:
+        args.rows = [1, 8]
+    separate, fused = weights(SEPARATE, layers), weights(FUSED, layers)
     systems = {"nn.Linear": [(w.shape[1], lambda x, w=w: F.linear(x, w)) for w in separate]}
     if torch.backends.mkl.is_available():
         mkl = [(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 64)) for w in separate]
@@ -80,7 +85,7 @@ def main():
         in_pairs = [(w.shape[0], w.shape[1], pack_linear_weight(w, out=pairs.view(i), bf16_dot=True))
                     for i, w in enumerate(fused)]
         systems["kvpage slabs, bf16 dot"] = [(k, lambda x, n=n, p=p: packed_linear(x, p, n)) for n, k, p in in_pairs]
-    flops_per_row = 2 * sum(n * k for n, k in FUSED) * LAYERS + 2 * VOCAB * HIDDEN
+    flops_per_row = 2 * sum(n * k for n, k in FUSED) * layers + 2 * VOCAB * HIDDEN
     rows_out = []
     for rows in args.rows:
         times = {name: best_ms(calls, rows) for name, calls in systems.items()}
@@ -94,7 +99,8 @@ def main():
         print(f"M={rows}: " + ", ".join(f"{k} {v} ms" for k, v in times.items()), flush=True)
     columns = list(rows_out[0])
     common.print_table(rows_out, columns)
-    path = common.write_json("linear", {"machine": common.machine_info(), "ms_per_step": rows_out})
+    path = common.write_json("linear_quick" if args.quick else "linear",
+                             {"machine": common.machine_info(), "ms_per_step": rows_out})
     print(f"wrote {path}")
 
 

@@ -18,6 +18,9 @@ over minutes); every round and npl has its own prompt, so nothing carries over i
     python bench/llamacpp.py             # npl 32, 48, 64; pp 128; tg 128; 3 rounds
     python bench/llamacpp.py --weight-dtype bfloat16 --npl 1,4,16,64 [--matmul-precision medium]
                                          # kvpage's 16-bit weights (and bf16 dot products) vs llama.cpp BF16
+    python bench/llamacpp.py --quick     # npl 4, pp 32, tg 8, 1 round: a smoke run
+
+Without llama.cpp (no setup_llamacpp.sh run) kvpage's side runs alone, and the script says so.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, print_table, random_prompt, write_json  # noqa: E402
-from peers.llamacpp_launcher import model_file, run_batched_bench  # noqa: E402
+from common import (QUICK_ENGINE_ARGS, add_model_argument, machine_info, print_table, random_prompt,  # noqa: E402
+                    write_json)
+from peers.llamacpp_launcher import available, llamacpp_dir, model_file, run_batched_bench  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import Workload, run_kvpage  # noqa: E402
@@ -62,12 +66,21 @@ def main(argv=None) -> dict:
                         " against llama.cpp's BF16 model")
     parser.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
                         help="kvpage's matmul_precision (medium: bf16 dot products, as llama.cpp's BF16 model)")
+    parser.add_argument("--quick", action="store_true", help="npl 4, pp 32, tg 8, 1 round (smoke run)")
+    add_model_argument(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.npl, args.pp, args.tg, args.rounds = "4", 32, 8, 1
     npls = [int(x) for x in args.npl.split(",") if x]
     torch.set_num_threads(args.threads)
     weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
+    with_peer = available(weight_type)
+    if not with_peer:
+        print(f"llama.cpp skipped: no llama-batched-bench and {weight_type} model under {llamacpp_dir()}"
+              f" (bash bench/peers/setup_llamacpp.sh makes them); kvpage runs alone", flush=True)
 
-    llm = kvpage.LLM(weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
+    llm = kvpage.LLM(model=args.model, weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
+                     **(QUICK_ENGINE_ARGS if args.quick else {}))
     run_ours(llm, args.pp, args.tg, max(npls), seed=10_000)  # warm-up: same shapes, other tokens
     ours = {n: [] for n in npls}
     theirs = {n: [] for n in npls}
@@ -75,6 +88,8 @@ def main(argv=None) -> dict:
         for n in npls:
             ours[n].append(run_ours(llm, args.pp, args.tg, n, seed=100 * r + n))
             print(f"round {r} kvpage npl={n}: {ours[n][-1]['output_tok_s']:.1f} output tok/s", flush=True)
+        if not with_peer:
+            continue
         layouts = {unified: run_batched_bench(args.pp, args.tg, npls, args.threads, unified, weight_type=weight_type)
                    for unified in (False, True)}
         for split_row, unified_row in zip(layouts[False], layouts[True]):
@@ -87,28 +102,30 @@ def main(argv=None) -> dict:
 
 
 def report(args, npls, ours, theirs) -> dict:
+    """theirs[n] is empty where llama.cpp did not run: the rows then hold kvpage's figures alone."""
     rows, results = [], []
+    med = statistics.median  # of an even number of rounds: the mean of the middle two
     for n in npls:
         kv = [o["output_tok_s"] for o in ours[n]]
-        ll = [output_tok_s(t) for t in theirs[n]]
-        ratios = [a / b for a, b in zip(kv, ll)]
-        med = statistics.median  # of an even number of rounds: the mean of the middle two
-        results.append({"npl": n, "kvpage_output_tok_s": kv, "llamacpp_output_tok_s": ll,
-                        "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
-                        "llamacpp_layout": [t["layout"] for t in theirs[n]],
+        results.append({"npl": n, "kvpage_output_tok_s": kv,
                         "kvpage_ttft_p50_s": [o["ttft_p50_s"] for o in ours[n]],
-                        "kvpage_prefix_cache_hit_rate": [o["prefix_cache_hit_rate"] for o in ours[n]],
-                        "speedup_rounds": ratios, "speedup": med(ratios),
-                        "llamacpp_rows": theirs[n]})
-        rows.append({"npl": n, "kvpage tok/s": f"{med(kv):.1f}", "llama.cpp tok/s": f"{med(ll):.1f}",
-                     "llama.cpp layout": "/".join(sorted({t["layout"] for t in theirs[n]})),
-                     "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
-                     "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
-                     + ", ".join(f"{x:.2f}" for x in ratios) + ")"})
+                        "kvpage_prefix_cache_hit_rate": [o["prefix_cache_hit_rate"] for o in ours[n]]})
+        rows.append({"npl": n, "kvpage tok/s": f"{med(kv):.1f}"})
+        if theirs[n]:
+            ll = [output_tok_s(t) for t in theirs[n]]
+            ratios = [a / b for a, b in zip(kv, ll)]
+            results[-1].update({"llamacpp_output_tok_s": ll, "llamacpp_s_tg": [t["speed_tg"] for t in theirs[n]],
+                                "llamacpp_layout": [t["layout"] for t in theirs[n]],
+                                "speedup_rounds": ratios, "speedup": med(ratios), "llamacpp_rows": theirs[n]})
+            rows[-1].update({"llama.cpp tok/s": f"{med(ll):.1f}",
+                             "llama.cpp layout": "/".join(sorted({t["layout"] for t in theirs[n]})),
+                             "llama.cpp S_TG": f"{med([t['speed_tg'] for t in theirs[n]]):.1f}",
+                             "kvpage/llama.cpp": f"{med(ratios):.2f}x (rounds "
+                             + ", ".join(f"{x:.2f}" for x in ratios) + ")"})
     weight_type = "BF16" if args.weight_dtype == "bfloat16" else "F32"
     print(f"\npp {args.pp}, tg {args.tg}, {args.threads} threads, kvpage weight_dtype={args.weight_dtype}"
           f" matmul_precision={args.matmul_precision},"
-          f" model {model_file(weight_type).name} for llama.cpp")
+          f" model {getattr(model_file(weight_type), 'name', 'none')} for llama.cpp")
     print_table(rows, ["npl", "kvpage tok/s", "llama.cpp tok/s", "llama.cpp layout", "llama.cpp S_TG",
                        "kvpage/llama.cpp"])
     payload = {"pp": args.pp, "tg": args.tg, "threads": args.threads, "rounds": args.rounds,
@@ -116,7 +133,7 @@ def report(args, npls, ours, theirs) -> dict:
                "machine": machine_info(), "results": results}
     suffix = ("" if args.weight_dtype == "auto" else f"_{args.weight_dtype}") + \
         ("_medium" if args.matmul_precision == "medium" else "")
-    write_json(f"llamacpp{suffix}", payload)
+    write_json(f"llamacpp{suffix}{'_quick' if args.quick else ''}", payload)
     return payload
 
 

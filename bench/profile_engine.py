@@ -5,12 +5,17 @@ model, after a warm-up job of the same shapes with other suffixes. Prints the to
 one's share of the profiled self CPU time.
 
     python bench/profile_engine.py [--npl 64] [--tokens 24] [--top 12]
+    python bench/profile_engine.py --quick   # 4 prompts x 4 tokens: a smoke run
 """
 import argparse
+import sys
+from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-import kvpage
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import kvpage  # noqa: E402
 
 SYSTEM_PROMPT = "You are a helpful assistant. " * 12  # 72 tokens
 
@@ -20,8 +25,12 @@ def main():
     parser.add_argument("--npl", type=int, default=64, help="prompts")
     parser.add_argument("--tokens", type=int, default=24, help="output tokens per prompt")
     parser.add_argument("--top", type=int, default=12, help="ops to list")
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 4 tokens (smoke run)")
+    common.add_model_argument(parser)
     args = parser.parse_args()
-    llm = kvpage.LLM()
+    if args.quick:
+        args.npl, args.tokens = 4, 4
+    llm = kvpage.LLM(model=args.model, **(common.QUICK_ENGINE_ARGS if args.quick else {}))
     params = kvpage.SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([f"{SYSTEM_PROMPT} Q{i}" for i in range(args.npl)], params, use_tqdm=False)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:

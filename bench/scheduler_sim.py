@@ -1,6 +1,7 @@
 """Scheduler under memory pressure: victim policies x preemption modes on a ShareGPT-like workload.
 
     PYTHONPATH=python python bench/scheduler_sim.py [--num-requests 400] [--num-blocks 1024]
+    python bench/scheduler_sim.py --quick    # 40 requests on 256 blocks: a smoke run
 
 No model runs: the real Scheduler and BlockManager make every decision, and a simulated clock
 advances by a stated cost per step. Pure Python and CPU only; prints a table and writes
@@ -143,7 +144,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="40 requests on 256 blocks (smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.num_blocks, args.num_host_blocks = 40, 256, 512
     common = dict(num_host_blocks=args.num_host_blocks, block_size=args.block_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     columns = ["policy", "mode", "throughput_tok_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
@@ -170,8 +174,9 @@ def main() -> None:
         "models": models,
         "results": results,
     }
-    print(f"wrote {write_json('scheduler_sim', payload)}")
-    png = RESULTS_DIR / "scheduler_sim.png"
+    name = "scheduler_sim_quick" if args.quick else "scheduler_sim"
+    print(f"wrote {write_json(name, payload)}")
+    png = RESULTS_DIR / f"{name}.png"
     plot(results, png)
     print(f"wrote {png}")
 

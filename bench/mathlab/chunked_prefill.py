@@ -2,6 +2,7 @@
 arrives, chunked (a small token budget per step) vs not (a budget that takes the whole prompt).
 
     python bench/mathlab/chunked_prefill.py [--prompt-tokens 2048] [--chunk 512] [--threads 1]
+    python bench/mathlab/chunked_prefill.py --quick    # a 128-token prompt in chunks of 64: a smoke run
 
 What runs: the default model (SmolLM2-135M fp32, 1 torch thread, block 16). Four requests with
 32-token prompts decode (greedy, ignore_eos, 48 tokens each); after 6 decode steps a long prompt
@@ -22,7 +23,8 @@ import argparse
 import dataclasses
 import time
 
-from _common import figure, median, print_table, random_ids, save_figure, this_device, write_result
+from _common import (add_smoke_arguments, figure, median, output_name, print_table, random_ids, save_figure,
+                     this_device, write_result)
 
 import kvpage  # noqa: E402
 from kvpage import costmodel  # noqa: E402
@@ -76,11 +78,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of the chunked run")
     parser.add_argument("--threads", type=int, default=1)
+    add_smoke_arguments(parser, "a 128-token prompt in chunks of 64")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.chunk = 128, 64
     device = this_device(args.threads)
     shape = costmodel.get_model("smollm2-135m")
     whole = args.prompt_tokens + NUM_DECODES
-    llm = kvpage.LLM(num_kv_blocks=args.prompt_tokens // BLOCK_SIZE + 64, block_size=BLOCK_SIZE, swap_space_gib=0)
+    llm = kvpage.LLM(model=args.model, num_kv_blocks=args.prompt_tokens // BLOCK_SIZE + 64, block_size=BLOCK_SIZE,
+                     swap_space_gib=0)
     llm.generate([random_ids(64, seed=7)], kvpage.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     long_prompt = random_ids(args.prompt_tokens, seed=1)
     runs = {"chunked": run(llm, args.chunk, long_prompt), "whole": run(llm, whole, long_prompt)}
@@ -110,7 +116,8 @@ def main(argv=None) -> dict:
                "decode_max_tokens": DECODE_TOKENS, "arrives_after_decode_steps": WARM_STEPS, "device": device,
                "calibrated_flops_efficiency": eff, "table": table, "runs": runs,
                "model_steps_s": model, "calibrated_model_steps_s": cal}
-    name = "chunked_prefill" if args.prompt_tokens == DEFAULT_PROMPT else f"chunked_prefill_{args.prompt_tokens}"
+    size = "" if args.prompt_tokens == DEFAULT_PROMPT or args.quick else f"_{args.prompt_tokens}"
+    name = output_name(f"chunked_prefill{size}", args.quick)
     write_result(name, payload)
     plot(runs, cal, model, args, name)
     return payload

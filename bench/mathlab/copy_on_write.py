@@ -2,6 +2,7 @@
 sharing (the real engine) vs without (each sequence its own copy), against the cost model.
 
     python bench/mathlab/copy_on_write.py [--prompt-tokens 500] [--max-tokens 33] [--threads 1]
+    python bench/mathlab/copy_on_write.py --quick    # a 40-token prompt, 5 tokens: a smoke run
 
 What runs: the default model (SmolLM2-135M fp32, 1 torch thread, block 16) on one prompt of 500
 random token ids. n samples: one request with SamplingParams(n, temperature=1, seed=0, ignore_eos,
@@ -20,7 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from _common import figure, print_table, random_ids, save_figure, set_threads, write_result
+from _common import (add_smoke_arguments, figure, output_name, print_table, random_ids, save_figure, set_threads,
+                     write_result)
 
 import kvpage  # noqa: E402
 from kvpage.core import BlockManager, Sequence  # noqa: E402
@@ -67,10 +69,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=33)
     parser.add_argument("--threads", type=int, default=1)
+    add_smoke_arguments(parser, "a 40-token prompt, 5 tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.max_tokens = 40, 5
     set_threads(args.threads)
     P = args.prompt_tokens
-    llm = kvpage.LLM(num_kv_blocks=512, block_size=BLOCK_SIZE, swap_space_gib=0)
+    llm = kvpage.LLM(model=args.model, num_kv_blocks=512, block_size=BLOCK_SIZE, swap_space_gib=0)
     runs, rows = {}, []
     configs = [(f"n={n}", n, kvpage.SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=args.max_tokens,
                                                    ignore_eos=True)) for n in (2, 4, 8)]
@@ -106,12 +111,13 @@ def main(argv=None) -> dict:
     print("two samples at first divergence:")
     print_table(diverge, list(diverge[0]))
     payload = {"config": vars(args), "rows": rows, "first_divergence": diverge, "traces": runs}
-    write_result("copy_on_write", payload)
-    plot(runs, rows, P)
+    name = output_name("copy_on_write", args.quick)
+    write_result(name, payload)
+    plot(runs, rows, P, name)
     return payload
 
 
-def plot(runs, rows, prompt_len) -> None:
+def plot(runs, rows, prompt_len, name: str) -> None:
     fig, axes = figure(1, 2)
     ax = axes[0][0]
     for i, (label, trace) in enumerate(runs.items()):
@@ -134,7 +140,7 @@ def plot(runs, rows, prompt_len) -> None:
     ax.set_xticks(list(x), [r["run"] for r in rows])
     ax.set_ylabel("KV blocks at the last step")
     ax.legend()
-    save_figure(fig, "copy_on_write")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

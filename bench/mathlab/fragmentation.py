@@ -1,6 +1,7 @@
 """Math lab 1, fragmentation: KV slots allocated vs used, paging vs reservation for the maximum length.
 
     python bench/mathlab/fragmentation.py [--num-requests 600] [--num-blocks 1456]
+    python bench/mathlab/fragmentation.py --quick    # 60 requests in 256 blocks: a smoke run
 
 Bookkeeping only (no model runs): the real BlockManager and Scheduler make every allocation.
 Workload: ShareGPT-like (bench/mathlab/_common.py): prompt and output lengths lognormal with means 161
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import argparse
 
-from _common import WORKLOAD_TEXT, figure, print_table, save_figure, sharegpt_like, write_result
+from _common import (WORKLOAD_TEXT, add_smoke_arguments, figure, output_name, print_table, save_figure, sharegpt_like,
+                     write_result)
 
 from kvpage.core import BlockManager, Scheduler, Sequence
 from kvpage.costmodel import memory
@@ -146,7 +148,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-blocks", type=int, default=1456)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    add_smoke_arguments(parser, "60 requests in 256 blocks")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.num_blocks = 60, 256
     work = sharegpt_like(args.num_requests, MAX_LEN, args.seed)
     prompts = work.prompts(args.seed)
     bs = args.block_size
@@ -189,8 +194,9 @@ def main(argv=None) -> dict:
                "reserved": {k: v for k, v in reserved.items() if k != "trace"},
                "trace_every_10_steps": {n: {k: v[::10] for k, v in r["trace"].items() if k != "saturated"}
                                         for n, r in (("paged", paged), ("reserved", reserved))}}
-    write_result("fragmentation", payload)
-    plot(a, paged, reserved, cap, predicted, "fragmentation")
+    name = output_name("fragmentation", args.quick)
+    write_result(name, payload)
+    plot(a, paged, reserved, cap, predicted, name)
     return payload
 
 

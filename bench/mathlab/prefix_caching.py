@@ -2,6 +2,7 @@
 cache on vs off, measured on the real engine vs the cost model.
 
     python bench/mathlab/prefix_caching.py [--num-requests 50] [--off-requests 2] [--threads 1]
+    python bench/mathlab/prefix_caching.py --quick    # 4 requests: a smoke run
 
 What runs (default model, SmolLM2-135M fp32, 1 torch thread, block 16, max_num_batched_tokens 2048):
 every request is the same 2,000 random token ids (the system prompt, 125 full blocks) followed by 16
@@ -22,7 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from _common import figure, print_table, random_ids, save_figure, this_device, write_result
+from _common import (add_smoke_arguments, figure, output_name, print_table, random_ids, save_figure, this_device,
+                     write_result)
 
 import kvpage  # noqa: E402
 from kvpage import costmodel  # noqa: E402
@@ -53,11 +55,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-requests", type=int, default=50)
     parser.add_argument("--off-requests", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    add_smoke_arguments(parser, "4 requests")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests = 4
     device = this_device(args.threads)
     shared = random_ids(SHARED_TOKENS, seed=1)
     prompts = [shared + random_ids(UNIQUE_TOKENS, seed=100 + i) for i in range(args.num_requests)]
-    llm = kvpage.LLM(num_kv_blocks=512, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
+    llm = kvpage.LLM(model=args.model, num_kv_blocks=512, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
                      enable_prefix_caching=True, swap_space_gib=0)
     llm.generate([random_ids(64, seed=7)], kvpage.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     ttft_on, on_stats = run(llm, prompts)
@@ -123,12 +128,13 @@ def main(argv=None) -> dict:
         "model": model, "model_calibrated": cal, "seed_case_h100_llama3_8b": seed_case,
         "table": rows,
     }
-    write_result("prefix_caching", payload)
-    plot(ttft_on, ttft_off, off_extrapolated, model, cal)
+    name = output_name("prefix_caching", args.quick)
+    write_result(name, payload)
+    plot(ttft_on, ttft_off, off_extrapolated, model, cal, name)
     return payload
 
 
-def plot(ttft_on, ttft_off, off_extrapolated, model, cal) -> None:
+def plot(ttft_on, ttft_off, off_extrapolated, model, cal, name: str) -> None:
     fig, axes = figure(1, 2)
     ax = axes[0][0]
     idx = range(1, len(ttft_on) + 1)
@@ -153,7 +159,7 @@ def plot(ttft_on, ttft_off, off_extrapolated, model, cal) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylabel(f"mean TTFT over {len(ttft_on)} requests (s)")
     ax.legend()
-    save_figure(fig, "prefix_caching")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 per claim from the JSON they wrote. docs/mathlab.md sets these numbers beside the seed's.
 
     python bench/mathlab/run_all.py [--only fragmentation,copy_on_write] [--skip chunked_prefill]
+    python bench/mathlab/run_all.py --quick    # every experiment's smoke run (--model passes through)
 
 About 7-8 minutes on 2 shared cores; every experiment states its sizes in its docstring. The model's
 numbers for the seed's own cases: `kvpage plan --model llama-3-8b --device h100`.
@@ -14,14 +15,14 @@ import subprocess
 import sys
 import time
 
-from _common import HERE, RESULTS_DIR
+from _common import HERE, RESULTS_DIR, add_smoke_arguments, output_name
 
 EXPERIMENTS = ("fragmentation", "swap_vs_recompute", "prefix_caching", "copy_on_write", "victim_policies",
                "chunked_prefill")
 
 
-def headline(name: str) -> str:
-    d = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+def headline(name: str, quick: bool = False) -> str:
+    d = json.loads((RESULTS_DIR / f"{output_name(name, quick)}.json").read_text())
     if name == "fragmentation":
         a = d["at_completion"]
         return (f"waste paged {a['paged_waste_measured']:.1%} vs reserved {a['reserved_waste_measured']:.1%};"
@@ -56,7 +57,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(EXPERIMENTS))
     parser.add_argument("--skip", default="")
+    add_smoke_arguments(parser, "every experiment's --quick")
     args = parser.parse_args()
+    passed = (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
     skip = set(filter(None, args.skip.split(",")))
     names = [n for n in args.only.split(",") if n not in skip]
     unknown = [n for n in names if n not in EXPERIMENTS]
@@ -66,13 +69,13 @@ def main() -> int:
     for name in names:
         print(f"\n=== {name} ===", flush=True)
         start = time.perf_counter()
-        rc = subprocess.call([sys.executable, str(HERE / f"{name}.py")])
+        rc = subprocess.call([sys.executable, str(HERE / f"{name}.py"), *passed])
         timings[name] = time.perf_counter() - start
         if rc:
             failed.append(name)
     print("\n=== summary ===")
     for name in names:
-        line = "FAILED" if name in failed else headline(name)
+        line = "FAILED" if name in failed else headline(name, args.quick)
         print(f"{name} ({timings[name]:.0f} s): {line}")
     return 1 if failed else 0
 

@@ -2,6 +2,7 @@
 fitted link bandwidth and per-transfer overhead, the measured crossover against the model's.
 
     python bench/mathlab/swap_vs_recompute.py [--threads 1] [--max-tokens 512] [--repeats 3]
+    python bench/mathlab/swap_vs_recompute.py --quick    # up to 32 tokens, 1 repeat: a smoke run
 
 Real ops on the default model (SmolLM2-135M, fp32, 45 KiB of KV per token), 1 torch thread unless
 --threads says otherwise (see _common.set_threads for why):
@@ -24,7 +25,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from _common import figure, median, print_table, save_figure, set_threads, write_result
+from _common import (add_smoke_arguments, figure, median, output_name, print_table, save_figure, set_threads,
+                     write_result)
 
 import torch  # noqa: E402
 
@@ -133,13 +135,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    add_smoke_arguments(parser, "up to 32 tokens, 1 repeat")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_tokens, args.repeats = 32, 1
     threads = set_threads(args.threads)
     lengths = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if n <= args.max_tokens]
     max_blocks = math.ceil(max(lengths) / BLOCK_SIZE)
     # Device pool: swaps use ids up to 2 * max_blocks, the marginal-recompute step 4 decodes of 5 blocks
     # plus the recomputed sequence.
-    llm = kvpage.LLM(num_kv_blocks=3 * max_blocks + 22, swap_space_gib=0.1, enable_prefix_caching=False)
+    llm = kvpage.LLM(model=args.model, num_kv_blocks=3 * max_blocks + 22, swap_space_gib=0.1,
+                     enable_prefix_caching=False)
     if llm.runner.num_host_blocks < 3 * max_blocks + 2:
         raise SystemExit("host pool too small for the largest swap; raise swap_space_gib")
     num_tensors = 2 * llm.runner.num_layers
@@ -224,12 +230,13 @@ def main(argv=None) -> dict:
     payload = {"config": vars(args), "lengths": lengths, "rows": rows, "summary": summary,
                "raw": {"swap": swaps, "swap_2_threads": swaps_2t, "recompute": recomputes, "marginal": marginal,
                        "call_overhead_probe": [probe, probe_2t]}}
-    write_result("swap_vs_recompute", payload)
-    plot(rows, h100, summary)
+    name = output_name("swap_vs_recompute", args.quick)
+    write_result(name, payload)
+    plot(rows, h100, summary, name)
     return payload
 
 
-def plot(rows, h100, summary) -> None:
+def plot(rows, h100, summary, name: str) -> None:
     fig, axes = figure(1, 2)
     ax = axes[0][0]
     t = [r["tokens"] for r in rows]
@@ -259,7 +266,7 @@ def plot(rows, h100, summary) -> None:
     ax.set_ylabel("us")
     ax.set_title(f"model: Llama-3-8B, H100, PCIe 5 (ratio {h100.ratio(4096):.1f}x)")
     ax.legend(fontsize=7)
-    save_figure(fig, "swap_vs_recompute")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

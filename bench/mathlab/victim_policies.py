@@ -3,6 +3,7 @@ FCFS-style: preempt the most recently admitted) vs the progress-aware "least_pro
 whoever loses least; spare a request about to finish), on p50 / p99 request latency.
 
     python bench/mathlab/victim_policies.py [--num-requests 16] [--num-blocks 24] [--rate 0.4]
+    python bench/mathlab/victim_policies.py --quick    # 6 requests, 5 simulated workloads: a smoke run
 
 What runs: the default model (SmolLM2-135M fp32, 1 torch thread), a KV pool of only 24 blocks of 16
 tokens (384 token slots) so that admitted requests outgrow it and get preempted, preemption by
@@ -27,8 +28,8 @@ import dataclasses
 import random
 import time
 
-from _common import (WORKLOAD_TEXT, figure, median, percentile, print_table, save_figure, sharegpt_like,
-                     this_device, write_result)
+from _common import (WORKLOAD_TEXT, add_smoke_arguments, figure, median, output_name, percentile, print_table,
+                     save_figure, sharegpt_like, this_device, write_result)
 
 import kvpage  # noqa: E402
 from kvpage import costmodel  # noqa: E402
@@ -160,7 +161,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-seeds", type=int, default=200, help="workloads for the model's distribution")
     parser.add_argument("--simulate-only", action="store_true", help="the model side only (seconds)")
+    add_smoke_arguments(parser, "6 requests, 5 simulated workloads")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.sim_seeds = 6, 5
     device = this_device(args.threads)
     shape = costmodel.get_model("smollm2-135m")
     base = EngineConfig(num_kv_blocks=args.num_blocks, block_size=BLOCK_SIZE, num_host_blocks=4 * args.num_blocks,
@@ -171,7 +175,7 @@ def main(argv=None) -> dict:
     spread = sim_spread(args, base, shape, device)
     real = {}
     if not args.simulate_only:
-        llm = kvpage.LLM(num_kv_blocks=args.num_blocks, block_size=BLOCK_SIZE, swap_space_gib=0.2)
+        llm = kvpage.LLM(model=args.model, num_kv_blocks=args.num_blocks, block_size=BLOCK_SIZE, swap_space_gib=0.2)
         base = dataclasses.replace(base, num_host_blocks=llm.runner.num_host_blocks)
         llm.generate([[100 + i for i in range(32)]], kvpage.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         real = {p: run_engine(llm, base, p, prompts, work.output_lens, arrivals) for p in POLICIES}
@@ -203,13 +207,14 @@ def main(argv=None) -> dict:
                                                   "prompt_lens": work.prompt_lens, "output_lens": work.output_lens,
                                                   "arrival_steps": arrivals},
                "model_clock_scale": scale, "rows": rows, "model_spread": spread, "simulated": sims, "real": real}
-    write_result("victim_policies", payload)
+    name = output_name("victim_policies", args.quick)
+    write_result(name, payload)
     if real:
-        plot(real, sims, scale, spread)
+        plot(real, sims, scale, spread, name)
     return payload
 
 
-def plot(real, sims, scale, spread) -> None:
+def plot(real, sims, scale, spread, name: str) -> None:
     fig, axes = figure(1, 3, width=16)
     ax = axes[0][0]
     for i, p in enumerate(POLICIES):
@@ -238,7 +243,7 @@ def plot(real, sims, scale, spread) -> None:
     ax.set_ylabel("simulated workloads")
     ax.set_title(f"model: {spread['workloads']} other workloads")
     ax.legend(fontsize=8)
-    save_figure(fig, "victim_policies")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

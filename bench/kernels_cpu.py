@@ -6,10 +6,10 @@ Also reports the KV bytes/s paged decode achieves against this machine's read ba
 the same run. Targets (issue 2): paged decode <= 1.0x dense for context >= 1024; >= 70% of read
 bandwidth once the cache is larger than the L3 cache.
 
-    python bench/kernels.py [--quick] [--dtype float32] [--threads N] [--fp8-cache]
+    python bench/kernels_cpu.py [--quick] [--dtype float32] [--threads N] [--fp8-cache]
     --fp8-cache: decode also over an fp8 (e4m3) copy of the cache, per-tensor scales from the data;
                  reports its time against the same-dtype cache's (fp8_speedup) and its error
-    python bench/kernels.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
+    python bench/kernels_cpu.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
 """
 import argparse
 import subprocess
@@ -176,7 +176,7 @@ def run_cpu(args):
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(0)
-    batches = (1, 32) if args.quick else DECODE_BATCHES
+    batches = (1, 8) if args.quick else DECODE_BATCHES
     contexts = (1024,) if args.quick else DECODE_CONTEXTS
     rows = []
     with ops.range_checks(args.range_checks):
@@ -186,7 +186,7 @@ def run_cpu(args):
                     rows.append(decode_case(shape_name, batch, context, dtype, generator, args.fp8_cache))
             for num_seqs, seq_len in PREFILL_CASES[: 1 if args.quick else None]:
                 rows.append(prefill_case(shape_name, num_seqs, seq_len, dtype, generator))
-    bandwidth, l3 = common.read_bandwidth_gbs(), l3_bytes()
+    bandwidth, l3 = common.read_bandwidth_gbs(1 << 28 if args.quick else 1 << 30), l3_bytes()
     judge(rows, bandwidth, l3)
     for r in rows:
         for key in ("paged_ms", "dense_ms", "ratio", "paged_gbs", "bw_fraction", "fp8_ms", "fp8_speedup",
@@ -202,7 +202,7 @@ def run_cpu(args):
     print(f"decode rows meeting target: {sum(r['meets_target'] for r in decode)}/{len(decode)}")
     payload = {"machine": common.machine_info(), "isa": ops.cpu_isa(), "dtype": args.dtype,
                "read_bandwidth_gbs": bandwidth, "l3_bytes": l3, "rows": rows}
-    path = common.write_json("kernels", payload)
+    path = common.write_json("kernels_quick" if args.quick else "kernels", payload)
     plot(rows, bandwidth, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
@@ -212,7 +212,7 @@ def main():
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a small subset, for smoke runs")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at context 1024, one prefill (smoke run)")
     parser.add_argument("--range-checks", action="store_true", help="keep block-table range checks on")
     parser.add_argument("--fp8-cache", action="store_true", help="decode also over an fp8 copy of the cache")
     args, rest = parser.parse_known_args()
