@@ -79,6 +79,9 @@ def check_model_dir(model: str | None) -> None:
 
 def _llm(args):
     check_model_dir(args.model)
+    # On stderr, so that stdout holds only the answer; the first load converts the wheel's GGUF.
+    print(f"kvpage: loading {args.model or 'the default model, SmolLM2-135M-Instruct'} ...",
+          file=sys.stderr, flush=True)
     import kvpage
     return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
                       weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
@@ -165,7 +168,7 @@ def _add_engine_flags(p) -> None:
 
 
 def _add_sampling_flags(p, max_tokens: int) -> None:
-    """SamplingParams' options under vLLM's names; defaults as `ollama run` (temperature, repetition)."""
+    """SamplingParams' options under vLLM's names."""
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens in a reply")
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
