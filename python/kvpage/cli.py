@@ -87,13 +87,10 @@ def _llm(args):
                       weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
 
 
-def has_chat_template(tokenizer) -> bool:
-    return getattr(tokenizer, "chat_template", None) is not None
-
-
 def cmd_generate(args) -> None:
     """One prompt: a question through the model's chat template (as `vllm chat` and `ollama run` do), or,
     with --raw or a model without a template, the text continued as is."""
+    from kvpage.commands.chat import has_chat_template
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)

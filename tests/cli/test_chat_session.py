@@ -99,3 +99,17 @@ def test_reply_streams_step_by_step(tiny_model_dir, capsys, monkeypatch):
     # seen[0] holds the banner; each later entry what one step printed: a token's text (a few may be empty,
     # a UTF-8 character still incomplete), so the six tokens came out over several steps.
     assert len([chunk for chunk in seen[1:] if chunk]) >= 4, seen
+
+
+def test_a_message_the_cache_cannot_hold_is_refused_and_the_chat_goes_on(tiny_model_dir, capsys, monkeypatch):
+    llm = kvpage.LLM(model=str(tiny_model_dir), num_kv_blocks=4)  # 64 tokens
+    shown = []
+    real_add = llm.llm_engine.add_request
+    monkeypatch.setattr(llm.llm_engine, "add_request", lambda rid, text, *a, **k: shown.append(text) or
+                        real_add(rid, text, *a, **k))
+    lines = iter(["word " * 100, "Hi", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    run_chat(llm, kvpage.SamplingParams(temperature=0, max_tokens=2))
+    out = capsys.readouterr().out
+    assert "[not sent: " in out and "/reset starts a new conversation]" in out
+    assert "word" not in shown[-1] and "Hi" in shown[-1]  # the refused message left the conversation

@@ -52,11 +52,15 @@ class Reply:
         return f"[{', '.join(parts)}]"
 
 
+def has_chat_template(tokenizer) -> bool:
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
 def run_chat(llm, params, show_prompt: bool = False) -> None:
     tokenizer = llm.tokenizer
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+    if not has_chat_template(tokenizer):
         raise ValueError("this model's tokenizer has no chat template; use kvpage generate --raw to continue text")
-    conversation, ids = Conversation(), itertools.count()
+    conversation, request_ids = Conversation(), itertools.count()
     print("kvpage chat: type a message; /help lists the commands, /exit leaves.")
     while True:
         try:
@@ -73,8 +77,15 @@ def run_chat(llm, params, show_prompt: bool = False) -> None:
         text = conversation.prompt(tokenizer, line)
         if show_prompt:
             print(f"[prompt]\n{text}\n[reply]")
-        reply = stream_reply(llm.llm_engine, f"chat-{next(ids)}", text, tokenizer.encode(text, add_special_tokens=False),
-                             params)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        request_id, start = f"chat-{next(request_ids)}", time.perf_counter()
+        try:
+            llm.llm_engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+        except ValueError as e:  # refused: the conversation has outgrown the model or the KV cache
+            conversation.messages.pop()
+            print(f"[not sent: {e}; /reset starts a new conversation]")
+            continue
+        reply = stream_reply(llm.llm_engine, request_id, start)
         conversation.add_reply(reply.text)
         print(reply.summary())
 
@@ -94,11 +105,9 @@ def _command(line: str, conversation: Conversation) -> bool:
     return True
 
 
-def stream_reply(engine, request_id: str, text: str, token_ids: list[int], params) -> Reply:
-    """Print one reply as it grows; Ctrl-C ends it early (the request is aborted, its blocks freed) and
-    what was shown so far is the reply."""
-    start = time.perf_counter()
-    engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+def stream_reply(engine, request_id: str, start: float) -> Reply:
+    """Print one queued request's reply as it grows; Ctrl-C ends it early (the request is aborted, its
+    blocks freed) and what was shown so far is the reply."""
     shown, last = "", None
     try:
         while engine.has_unfinished_requests():
