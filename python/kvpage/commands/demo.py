@@ -18,7 +18,7 @@ DEMO_QUESTIONS = [
 ]
 NEXT_STEPS = [
     ("kvpage chat", "a conversation, streamed token by token (/help inside)"),
-    ('kvpage generate "Why is the sea salty?"', "one answer; --raw continues text instead"),
+    ('kvpage generate "What is the capital of France?"', "one answer; --raw continues text instead"),
     ("kvpage serve", "an OpenAI-compatible HTTP server on the same engine"),
     ("kvpage bench --quick", "throughput on the benchmark workload (--peers: against HF transformers)"),
 ]
