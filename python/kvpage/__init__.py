@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("ops", "core", "engine", "model", "costmodel")
 # The public engine API, importable as kvpage.LLM etc.; torch and transformers load on first access.
 _ENGINE_EXPORTS = ("LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob")
-# transformers' Cache on kvpage blocks, for HF `model.generate(past_key_values=kvpage.PagedCache(...))`.
+# transformers' Cache on kvpage blocks, for HF `model.generate(cache=kvpage.PagedCache(...))`.
 _HF_EXPORTS = ("PagedCache", "PagedCacheStats")
 __all__ = list(_ENGINE_EXPORTS) + list(_HF_EXPORTS) + list(_LAZY_SUBMODULES)
 

@@ -1,87 +1,125 @@
-"""The `kvpage` command: generate, chat, bench, demo, plan."""
+"""The `kvpage` command: generate, chat, demo, bench, plan.
+
+Every flag is checked before the model loads (15-30 s for the default model), without importing torch,
+so a mistake comes back as one line at once; `--help` shows each default."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-import time
+from pathlib import Path
 
-DEMO_QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in one sentence.", "Write a haiku about the sea.",
-    "What is 17 times 3?", "Name three primary colours.", "Why is the sky blue?",
-    "Give me a tip for learning to cook.", "What does a CPU do?", "Translate 'good morning' into Spanish.",
-    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet turtle.", "What is a prime number?", "How many legs does a spider have?",
-    "Describe a rainbow to a child.", "What is the largest planet in the solar system?",
-    "Write a Python function that adds two numbers.", "What causes the seasons on Earth?",
-    "Give two benefits of regular exercise.", "What is the opposite of 'ancient'?",
-    "How do bees make honey?", "What language is spoken in Brazil?", "What is gravity?",
-    "Tell me a fun fact about octopuses.",
-]
+# Ollama's default: it keeps the 135M default model from looping and from repeating its previous answer
+# in a conversation (HF generate loops the same way at 1.0). vLLM's default, 1.0, turns it off.
+REPETITION_PENALTY = 1.1
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
 
 
-def _params(args):
-    from kvpage import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default to its help, unless the help already says it in words (a None
+    default: what happens then)."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: --help shows every default, and an unknown flag is reported with this
+    command's usage (argparse otherwise hands leftovers to the top-level parser, whose usage says nothing
+    about the command's flags)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message):
+        """argparse's error, under a one-line usage (the full one, every option, is --help's)."""
+        positionals = "".join(f" {a.metavar or a.dest}" for a in self._actions if not a.option_strings)
+        self.exit(2, f"usage: {self.prog} [options]{positionals}   (--help lists the options)\n"
+                     f"{self.prog}: error: {message}\n")
+
+
+def flag_words(message: str) -> str:
+    """SamplingParams names its fields (top_p); the user typed flags (--top-p)."""
+    return re.sub(rf"\b({'|'.join(SAMPLING_FIELDS)})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def sampling_params(args):
+    """The sampling flags as SamplingParams, checked (pure Python: no torch, no model)."""
+    from kvpage.engine.sampling_params import SamplingParams
+    try:
+        return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FIELDS if hasattr(args, name)})
+    except (ValueError, TypeError) as e:
+        raise ValueError(flag_words(str(e))) from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: checked at parse time, so the error names the flag and shows the command's usage."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_model_dir(model: str | None) -> None:
+    if model is not None and not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model}: not a local HF model directory (it has no config.json); nothing is"
+                         f" downloaded, leave --model out for the embedded default")
 
 
 def _llm(args):
+    check_model_dir(args.model)
+    # On stderr, so that stdout holds only the answer; the first load converts the wheel's GGUF.
+    print(f"kvpage: loading {args.model or 'the default model, SmolLM2-135M-Instruct'} ...",
+          file=sys.stderr, flush=True)
     import kvpage
     return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
                       weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
 
 
 def cmd_generate(args) -> None:
-    params = _params(args)  # bad sampling flags fail before the model loads
-    out = _llm(args).generate(args.prompt, params, use_tqdm=False)[0].outputs[0]
-    print(out.text)
+    """One prompt: a question through the model's chat template (as `vllm chat` and `ollama run` do), or,
+    with --raw or a model without a template, the text continued as is."""
+    from kvpage.commands.chat import has_chat_template
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty")
+    params = sampling_params(args)
+    llm = _llm(args)
+    if args.raw or not has_chat_template(llm.tokenizer):
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    if args.show_prompt:
+        print(f"[prompt]\n{out.prompt}\n[reply]")
+    print(out.outputs[0].text.strip() if not args.raw else out.outputs[0].text)
 
 
 def cmd_chat(args) -> None:
-    """Interactive: each reply streams token by token through LLMEngine.step()."""
-    params = _params(args)
-    llm = _llm(args)
-    engine, history = llm.llm_engine, []
-    print("kvpage chat: empty line, Ctrl-D or Ctrl-C to quit (Ctrl-C during a reply stops the reply)")
-    for turn in range(1 << 30):
-        try:
-            line = input("> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        request_id = f"chat-{turn}"
-        engine.add_request(request_id, text, params, prompt_token_ids=ids)
-        history.append({"role": "assistant", "content": _stream_reply(engine, request_id)})
+    from kvpage.commands.chat import run_chat
+    params = sampling_params(args)
+    run_chat(_llm(args), params, show_prompt=args.show_prompt)
 
 
-def _stream_reply(engine, request_id: str) -> str:
-    """Print one reply as it grows; Ctrl-C ends it early (the request is aborted, its blocks freed) and
-    what was shown so far stays in the history."""
-    shown = ""
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                reply = out.outputs[0].text
-                print(reply[len(shown):], end="", flush=True)
-                shown = reply
-    except KeyboardInterrupt:
-        engine.abort_request(request_id)
-        print(" [stopped]", end="")
-    print()
-    return shown
+def cmd_demo(args) -> None:
+    from kvpage.commands.demo import run_demo
+    params = sampling_params(args)
+    run_demo(_llm(args), params)
 
 
 def cmd_bench(args) -> None:
     """kvpage on the benchmark workload; --peers adds the HF baselines and --peer vllm vLLM's CPU backend,
     via bench/engine.py (a source checkout)."""
     if args.peers or args.peer:
-        from pathlib import Path
         import runpy
         script = Path(__file__).resolve().parents[2] / "bench" / "engine.py"
         if not script.is_file():
@@ -90,35 +128,12 @@ def cmd_bench(args) -> None:
                     + ([] if args.peers else ["--no-hf"]))
         runpy.run_path(str(script), run_name="__main__")
         return
-    from kvpage.engine.workload import make_workload, quick_workload, run_kvpage
     llm = _llm(args)
+    from kvpage.engine.workload import make_workload, quick_workload, run_kvpage
     res = run_kvpage(llm, quick_workload() if args.quick else make_workload())
     print(f"{res['output_tokens']} output tokens in {res['seconds']:.2f}s: {res['output_tok_s']:.1f} tok/s;"
           f" TTFT p50 {res['ttft_p50_s']:.3f}s p99 {res['ttft_p99_s']:.3f}s;"
           f" prefix-cache hit rate {res['prefix_cache_hit_rate']:.0%}; preemptions {res['num_preemptions']}")
-
-
-def cmd_demo(args) -> None:
-    """A batch of varied questions, greedy, on the default model: answers, then a summary."""
-    from kvpage import SamplingParams
-    llm = _llm(args)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    conversations = [[{"role": "system", "content": "You are a concise, helpful assistant."},
-                      {"role": "user", "content": q}] for q in DEMO_QUESTIONS]
-    start = time.perf_counter()
-    outputs = llm.chat(conversations, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    for q, out in zip(DEMO_QUESTIONS, outputs):
-        print(f"Q: {q}\nA: {out.outputs[0].text.strip()}\n")
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttfts = sorted(o.metrics["ttft"] for o in outputs)
-    s = llm.stats()
-    print(f"{len(outputs)} requests, {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} tok/s;"
-          f" time to first token p50 {ttfts[len(ttfts) // 2]:.3f}s, max {ttfts[-1]:.3f}s")
-    print(f"KV blocks: peak {s['max_kv_blocks_used']} of {s['num_kv_blocks']} ({s['block_size']} tokens each);"
-          f" prefix-cache hit rate {s['prefix_cache_hit_rate']:.0%}"
-          f" ({s['prefix_cache_hit_tokens']}/{s['prefix_cache_queried_tokens']} tokens);"
-          f" preemptions {s['num_preemptions']}")
 
 
 def cmd_plan(args) -> None:
@@ -133,59 +148,101 @@ def cmd_plan(args) -> None:
     print(costmodel.plan_text(costmodel.get_model(args.model), costmodel.get_device(args.device), workload))
 
 
+def _add_engine_flags(p) -> None:
+    p.add_argument("--model", default=None, help="a local HF model directory (default: the embedded"
+                   " SmolLM2-135M-Instruct)")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                   help="KV-cache blocks of 16 tokens (default: what the memory budget holds)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"),
+                   default="auto", help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32; bfloat16 /"
+                   " float16: 2x (CPU, float32 model); neither is token-identical")
+    p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
+                   help="bfloat16 / float16: the weights rounded to and stored in 16 bits, computed in"
+                   " float32 (CPU, float32 model): half the bytes a decode step streams")
+    p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
+                   help="medium: the linear layers compute with bf16 dot products where the CPU has"
+                   " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
+
+
+def _add_sampling_flags(p, max_tokens: int) -> None:
+    """SamplingParams' options under vLLM's names."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens in a reply")
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's")
+    p.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
+                   help="over prompt and output (HF's rule; 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
+    p.add_argument("--seed", type=int, default=None, help="a fixed seed repeats a sampled reply"
+                   " (default: none, a fresh random stream)")
+    p.add_argument("--show-prompt", action="store_true",
+                   help="print the full prompt the model reads (chat template applied) before the reply")
+
+
+def _add_command(sub, name: str, fn, help_: str, **kwargs):
+    p = sub.add_parser(name, help=help_, description=help_, **kwargs)
+    p.set_defaults(fn=fn)
+    return p
+
+
+def _add_generate_parser(sub) -> None:
+    p = _add_command(sub, "generate", cmd_generate, "answer one prompt (a question through the chat template)")
+    p.add_argument("prompt", help="the question, or with --raw the text to continue")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template:"
+                   " the model continues the text")
+    _add_sampling_flags(p, max_tokens=128)
+    _add_engine_flags(p)
+
+
+def _add_chat_parser(sub) -> None:
+    p = _add_command(sub, "chat", cmd_chat, "a conversation, streamed token by token (/help inside)")
+    _add_sampling_flags(p, max_tokens=256)
+    _add_engine_flags(p)
+
+
+def _add_demo_parser(sub) -> None:
+    p = _add_command(sub, "demo", cmd_demo, "a batch of questions answered at once, greedy, then a summary")
+    p.set_defaults(temperature=0.0)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens in an answer")
+    p.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
+                   help="over prompt and output (HF's rule; 1: off)")
+    _add_engine_flags(p)
+
+
+def _add_bench_parser(sub) -> None:
+    p = _add_command(sub, "bench", cmd_bench, "throughput on the benchmark workload")
+    p.add_argument("--quick", action="store_true", help="a small smoke run")
+    p.add_argument("--peers", action="store_true", help="also run the HF baselines (bench/engine.py)")
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="also run vLLM's CPU backend (its venv: bash bench/peers/setup_vllm.sh),"
+                        " prefix caching on and off (bench/engine.py --vllm)")
+    _add_engine_flags(p)
+
+
 def _add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="the cost model's numbers for a model on a device (docs/mathlab.md)")
-    p.set_defaults(fn=cmd_plan)
+    p = _add_command(sub, "plan", cmd_plan, "the cost model's numbers for a model on a device (docs/mathlab.md)")
     p.add_argument("--model", default="llama-3-8b", help="llama-3-8b, smollm2-135m or a local HF model directory")
     p.add_argument("--device", default="h100", help="h100, h200, a100, or 'this' (measured now, a few seconds)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="KV and weights dtype (default: bf16 on GPUs, fp32 on 'this')")
     p.add_argument("--context", type=int, default=8192, help="context length reserved per sequence")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--mean-len", type=float, default=500.0, help="mean tokens per sequence under paging")
-    p.add_argument("--memory-utilization", type=float, default=0.9)
-    p.add_argument("--prefix-requests", type=int, default=50)
+    p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of device memory for KV")
+    p.add_argument("--prefix-requests", type=int, default=50, help="requests sharing one system prompt")
     p.add_argument("--prefix-tokens", type=int, default=2000, help="shared system-prompt tokens")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step may compute")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpage", description="paged KV-cache LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, help_ in (("generate", cmd_generate, "complete one prompt"),
-                            ("chat", cmd_chat, "interactive chat, streaming"),
-                            ("bench", cmd_bench, "throughput on the benchmark workload"),
-                            ("demo", cmd_demo, "a batch of questions with a summary")):
-        p = sub.add_parser(name, help=help_)
-        p.set_defaults(fn=fn)
-        p.add_argument("--model", default=None, help="local HF model directory (default: SmolLM2-135M-Instruct)")
-        p.add_argument("--num-kv-blocks", type=int, default=None)
-        p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"),
-                       default="auto", help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32; bfloat16 /"
-                       " float16: 2x (CPU, float32 model); neither is token-identical")
-        p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
-                       help="bfloat16 / float16: the weights rounded to and stored in 16 bits, computed in"
-                       " float32 (CPU, float32 model): half the bytes a decode step streams")
-        p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
-                       help="medium: the linear layers compute with bf16 dot products where the CPU has"
-                       " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
-        p.add_argument("--max-tokens", type=int, default=64 if name != "chat" else 256)
-        p.add_argument("--temperature", type=float, default=0.0 if name in ("demo", "bench") else 0.7)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--min-p", type=float, default=0.0)
-        p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output (HF's rule)")
-        p.add_argument("--presence-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
-        p.add_argument("--frequency-penalty", type=float, default=0.0, help="over the output, in [-2, 2]")
-        p.add_argument("--seed", type=int, default=None)
-        if name == "generate":
-            p.add_argument("prompt")
-        if name == "bench":
-            p.add_argument("--quick", action="store_true", help="a small smoke run")
-            p.add_argument("--peers", action="store_true", help="also run the HF baselines (bench/engine.py)")
-            p.add_argument("--peer", choices=["vllm"], default=None,
-                           help="also run vLLM's CPU backend (its venv: bash bench/peers/setup_vllm.sh),"
-                                " prefix caching on and off (bench/engine.py --vllm)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    _add_generate_parser(sub)
+    _add_chat_parser(sub)
+    _add_demo_parser(sub)
+    _add_bench_parser(sub)
     _add_plan_parser(sub)
     return parser
 
@@ -195,7 +252,7 @@ def main(argv=None) -> int:
     try:
         args.fn(args)
     except (ValueError, TypeError) as e:
-        print(f"kvpage: error: {e}", file=sys.stderr)
+        print(f"kvpage {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvpage: interrupted", file=sys.stderr)

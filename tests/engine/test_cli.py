@@ -10,16 +10,29 @@ from kvpage import cli
 from kvpage.model import DefaultModelMissing
 
 
-def test_cli_generate_greedy(llm, capsys, monkeypatch):
+def test_cli_generate_raw_continues_the_text(llm, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
-    assert cli.main(["generate", "The capital of France is", "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert cli.main(["generate", "The capital of France is", "--raw", "--max-tokens", "4", "--temperature", "0"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_generate_answers_a_question_through_the_chat_template(llm, capsys, monkeypatch):
+    """The default model is an instruct model: the question goes through its chat template, whose text
+    --show-prompt prints."""
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    question = "What is the capital of France?"
+    assert cli.main(["generate", question, "--max-tokens", "16", "--temperature", "0", "--show-prompt"]) == 0
+    out = capsys.readouterr().out
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                               add_generation_prompt=True)
+    assert out.startswith(f"[prompt]\n{prompt}\n[reply]\n")
+    assert "Paris" in out[len(prompt):]
 
 
 def test_cli_bad_argument_is_an_error_not_a_crash(llm, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     assert cli.main(["generate", "hi", "--top-p", "2"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,match", [(["plan", "--context", "0"], "context_len"),
@@ -82,10 +95,38 @@ def test_cli_repetition_penalty_reaches_the_sampling_params(llm, capsys, monkeyp
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: seen.append(params) or
                         type(llm).generate(llm, prompts, params, use_tqdm=use_tqdm))
-    argv = ["generate", "hi", "--max-tokens", "2", "--temperature", "0", "--repetition-penalty", "1.3",
+    argv = ["generate", "hi", "--raw", "--max-tokens", "2", "--temperature", "0", "--repetition-penalty", "1.3",
             "--presence-penalty", "0.5", "--frequency-penalty", "-0.25", "--min-p", "0.1"]
     assert cli.main(argv) == 0
     assert seen == [SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3, presence_penalty=0.5,
                                    frequency_penalty=-0.25, min_p=0.1)]
     assert cli.main(["generate", "hi", "--presence-penalty", "3"]) == 2
-    assert "presence_penalty" in capsys.readouterr().err
+    assert "--presence-penalty must be" in capsys.readouterr().err
+
+
+def _longest_repeat(token_ids: list[int], span: int = 8) -> int:
+    """How often the most repeated run of `span` tokens occurs: a looping answer repeats one many times."""
+    runs = [tuple(token_ids[i:i + span]) for i in range(len(token_ids) - span + 1)]
+    return max((runs.count(r) for r in set(runs)), default=0)
+
+
+def test_demo_answers_without_loops_then_sums_up(llm, capsys, monkeypatch):
+    """The demo's questions, greedy with its repetition penalty: no answer loops (at 1.0 some do), the
+    first is right, and the summary names the engine's numbers and where to go next."""
+    from kvpage.commands import demo
+
+    outputs, summary_lines = [], demo.summary_lines
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    monkeypatch.setattr(demo, "summary_lines", lambda outs, *rest: outputs.extend(outs) or ["(summary)"])
+    assert cli.main(["demo"]) == 0
+    assert len(outputs) == len(demo.DEMO_QUESTIONS) and "Paris" in outputs[0].outputs[0].text
+    loops = {q: o.outputs[0].text for q, o in zip(demo.DEMO_QUESTIONS, outputs)
+             if _longest_repeat(o.outputs[0].token_ids) > 2}
+    assert not loops
+    lines = summary_lines(outputs, 2.0, llm.stats())
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert any(f"{tokens / 2.0:.1f} tokens/s ({tokens} tokens" in line for line in lines), lines
+    hit, queried = sum(o.num_cached_tokens for o in outputs), sum(len(o.prompt_token_ids) for o in outputs)
+    assert any(f"{hit} of {queried} prompt tokens reused" in line for line in lines), lines
+    for needle in ("first token", "prefix cache", "preemptions", "kvpage chat", "kvpage serve", "kvpage bench"):
+        assert any(needle in line for line in lines), needle

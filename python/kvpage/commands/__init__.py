@@ -1,0 +1,1 @@
+"""The interactive parts of the `kvpage` command (kvpage.cli parses the flags): chat and demo."""
