@@ -81,10 +81,22 @@ def model_dir(model: str | None) -> Path:
     return default_model_dir()
 
 
+def cpu_model() -> str:
+    """The CPU's model name as lscpu shows it (figures name the CPU they ran on)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info():
     return {
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
