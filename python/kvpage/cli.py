@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also run vLLM's CPU backend (its venv: bash bench/peers/setup_vllm.sh),"
                                 " prefix caching on and off (bench/engine.py --vllm)")
     _add_plan_parser(sub)
+    from kvpage.server.cli_args import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 
