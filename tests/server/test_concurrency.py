@@ -52,7 +52,11 @@ def test_64_streams_with_a_quarter_hanging_up(server, offline, tok):
     after = wait_idle(url)
     assert after["kvpage:num_requests_running"] == 0 and after["kvpage:num_requests_waiting"] == 0
     assert after["kvpage:kv_cache_usage_perc"] == before["kvpage:kv_cache_usage_perc"]
-    generated = after["kvpage:generation_tokens_total"] - before["kvpage:generation_tokens_total"]
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["kvpage:prompt_tokens_total"] == sum(len(w.prompt_token_ids) for w in want)  # all were added
     finishers = NUM_CLIENTS - sum(hang_up)
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta[f"kvpage:{histogram}_count"] == finishers and delta[f"kvpage:{histogram}_sum"] > 0
+    generated = delta["kvpage:generation_tokens_total"]
     # The ones that hung up were stopped long before their LONG tokens.
     assert finishers * MAX_TOKENS < generated < finishers * MAX_TOKENS + sum(hang_up) * LONG // 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpage import SamplingParams
-from server_helpers import MODEL_NAME, post
+from server_helpers import MODEL_NAME, post, scrape
 
 PROMPTS = ["Hello world", "The capital of France is", "Once upon a time, in a land far away,", "1 2 3 4",
            "def add(a, b):", "Water is made of"]
@@ -152,12 +152,16 @@ def test_echo_streamed_starts_with_the_prompt(client, expected):
     assert "".join(c.choices[0].text for c in r) == PROMPTS[1] + expected[1].outputs[0].text
 
 
-def test_cached_tokens_count_the_prefix_cache_hit(client):
+def test_cached_tokens_count_the_prefix_cache_hit(client, server):
     prompt = list(range(1000, 1040))  # 40 tokens: a repeat reads its 2 full 16-token blocks from the cache
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    before = scrape(server[0])
     again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    after = scrape(server[0])
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert after["kvpage:prefix_cache_hits_total"] - before["kvpage:prefix_cache_hits_total"] == 32
+    assert after["kvpage:prefix_cache_queries_total"] - before["kvpage:prefix_cache_queries_total"] >= 32
     assert again.choices[0].text == first.choices[0].text
 
 
