@@ -157,7 +157,8 @@ def test_client_gone_before_a_whole_response_aborts_it(small_llm):
             before = scrape(url)["kvpage:generation_tokens_total"]
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=0.5)
             with pytest.raises(openai.APITimeoutError):  # the client hangs up after 0.5 s, some 50 steps in
-                client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=250, extra_body={"ignore_eos": True})
+                client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=250,
+                                          extra_body={"ignore_eos": True})
             after = wait_idle(url)
             assert after["kvpage:num_requests_running"] == 0 and after["kvpage:kv_cache_usage_perc"] == 0
             assert after["kvpage:generation_tokens_total"] - before < 200

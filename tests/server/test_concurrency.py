@@ -21,8 +21,9 @@ def _prompts(tok) -> list[str]:
 
 
 async def _client(client, prompt: str, hang_up: bool):
-    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=LONG if hang_up else MAX_TOKENS,
-                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt,
+                                             max_tokens=LONG if hang_up else MAX_TOKENS, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
     text, chunks = "", 0
     async for chunk in stream:
         text += chunk.choices[0].text

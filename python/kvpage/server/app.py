@@ -39,9 +39,24 @@ async def _unless_disconnected(request: Request, work):
     return None
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort the request's engine work however the response ends: a client
+    gone before the body started never runs the body's own cleanup."""
+
+    def __init__(self, answer) -> None:
+        super().__init__(answer.stream(), media_type="text/event-stream")
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.sub.abort()
+
+
 async def _respond(answer, stream: bool, request: Request) -> Response:
     if stream:
-        return StreamingResponse(answer.stream(), media_type="text/event-stream")
+        return _EventStream(answer)
     body = await _unless_disconnected(request, answer.whole())
     return JSONResponse(body) if body is not None else Response(status_code=499)  # nobody reads it
 

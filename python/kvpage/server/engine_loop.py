@@ -114,7 +114,8 @@ class EngineLoop:
             self._apply(commands)
             if engine.has_unfinished_requests():
                 self._step()
-            self._publish()
+            else:
+                self._publish()
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -157,6 +158,7 @@ class EngineLoop:
             self.num_failed_steps += 1
             self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
             return
+        self._publish()  # before the outputs: a client that saw its request end sees it in /metrics too
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -175,6 +177,7 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         sinks, self._sinks = self._sinks, {}
         self.engine.abort_request(list(sinks))
+        self._publish()
         for sink in sinks.values():
             sink.put(error)
 

@@ -121,16 +121,18 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[EnginePromp
     sub = Submitted(ctx, request_id, len(prompts))
     try:
         for i, (rid, prompt) in enumerate(zip(sub.ids, prompts)):
+            sub.pending.add(rid)  # before the await: a client gone during it still has this one aborted
             try:
                 await ctx.engine_loop.add_request(rid, prompt.text, prompt.token_ids, params, req.cache_salt,
                                                   sub.queue)
             except (ValueError, TypeError) as e:
+                sub.pending.discard(rid)
                 # The scheduler's messages lead with the internal request id: the client's index instead.
                 message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
                 if len(prompts) > 1:
                     message = f"prompt {i}: {message}"
-                raise RequestError(message, field_named_in(message, type(req).model_fields, {"prompt": prompt_field})) from None
-            sub.pending.add(rid)
+                param = field_named_in(message, type(req).model_fields, {"prompt": prompt_field})
+                raise RequestError(message, param) from None
     except BaseException:
         sub.abort()
         raise

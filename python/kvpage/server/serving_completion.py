@@ -54,8 +54,8 @@ class CompletionAnswer:
         self.created = int(time.time())
 
     def _body(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.sub.request_id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
-                "choices": choices, **extra}
+        return {"id": self.sub.request_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices, **extra}
 
     def _echo(self, out: RequestOutput) -> tuple[str, list[int], list]:
         """The prompt as echo prepends it: text, token ids, and log-probability entries."""
