@@ -37,6 +37,7 @@ BAD = [
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
     (CHAT, {"messages": USER, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
 ]

@@ -41,7 +41,7 @@ class ServingContext:
         if num_prompt >= limit:
             raise RequestError(f"{prompt_field} has {num_prompt} tokens; this model's maximum context length is"
                                f" {limit} tokens, leaving no room to generate", prompt_field)
-        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens > limit - num_prompt:
+        if max_tokens is not None and max_tokens > limit - num_prompt:
             raise RequestError(f"{max_tokens_field}={max_tokens} is too large: this model's maximum context length"
                                f" is {limit} tokens and the {prompt_field} has {num_prompt}, leaving"
                                f" {limit - num_prompt}", max_tokens_field)
@@ -52,7 +52,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
     """The request's SamplingParams; SamplingParams' own checks name the field (400)."""
     if req.use_beam_search:
         raise RequestError("use_beam_search is not supported by this server", "use_beam_search")
@@ -71,7 +72,8 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               **{k: v for k, v in given.items() if v is not None})
     except (ValueError, TypeError) as e:
-        raise RequestError(str(e), field_named_in(str(e), type(req).model_fields)) from None
+        param = field_named_in(str(e), type(req).model_fields, {"max_tokens": max_tokens_field})
+        raise RequestError(str(e) if param is None or param in str(e) else f"{param}: {e}", param) from None
 
 
 @dataclass

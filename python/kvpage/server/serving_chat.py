@@ -44,7 +44,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.check_length(len(prompt.token_ids), getattr(req, name), "messages", name)
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             max_tokens_field=name)
     return ChatAnswer(ctx, req, await submit(ctx, new_id("chatcmpl"), [prompt], params, req, "messages"), params)
 
 
