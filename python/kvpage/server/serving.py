@@ -99,16 +99,27 @@ class Submitted:
         index_of = {rid: i for i, rid in enumerate(self.ids)}
         try:
             while self.pending:
-                out = await self.queue.get()
-                if isinstance(out, EngineStepError):
-                    self.pending.clear()  # the loop withdrew them all
-                    raise out
-                if out.finished:
-                    self.pending.discard(out.request_id)
-                    self.ctx.metrics.observe_finished(out, self.arrival)
-                yield index_of[out.request_id], out
+                for out in await self._latest():
+                    if out.finished:
+                        self.pending.discard(out.request_id)
+                        self.ctx.metrics.observe_finished(out, self.arrival)
+                    yield index_of[out.request_id], out
         finally:
             self.abort()
+
+    async def _latest(self) -> list[RequestOutput]:
+        """Every output queued by now, only the latest per request: outputs are cumulative, so a
+        consumer that fell behind (a slow client, a busy event loop) catches up in one go."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        latest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, EngineStepError):
+                self.pending.clear()  # the loop withdrew them all
+                raise item
+            latest[item.request_id] = item
+        return list(latest.values())
 
     def abort(self) -> None:
         if self.pending:
