@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
+    from kvpage.server.cli_args import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,189 @@
+"""EngineLoop: one thread owns the LLMEngine and steps it while requests exist; the HTTP handlers
+reach it only through a thread-safe command queue, and get each request's RequestOutputs back on an
+asyncio queue of their own event loop.
+
+Only this thread calls add_request, step and abort_request, so the engine needs no locks. Commands
+queued during a step are applied before the next one: new requests join the running batch there.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvpage.engine.outputs import RequestOutput
+from kvpage.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvpage.server")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds --max-waiting-requests requests already (HTTP 503)."""
+
+
+class EngineStepError(Exception):
+    """A step failed inside the engine; the request it reaches was withdrawn."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: "_Sink"
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Sink:
+    """Where a request's outputs go: an asyncio queue, filled from this thread via its loop."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(self, engine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet taken into the engine
+        self._engine_waiting = 0  # the scheduler's waiting queue, as of the last publish
+        self.stats: dict = engine.stats()  # a snapshot, replaced (never mutated) after every step
+        self.num_failed_steps = 0
+        self._thread: threading.Thread | None = None
+
+    # -- the handlers' side (event loop thread) -------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvpage-engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                          cache_salt: str | None, outputs: asyncio.Queue) -> None:
+        """Queue a request; its RequestOutputs (or an EngineStepError) arrive on `outputs`. Raises
+        QueueFull, or add_request's ValueError / TypeError for a request the engine refuses."""
+        if not self.is_alive:
+            raise EngineStepError("the engine loop is not running")
+        with self._lock:
+            limit = self.max_waiting_requests
+            if limit is not None and self._queued + self._engine_waiting >= limit:
+                raise QueueFull(f"the server's waiting queue is full ({limit} requests, --max-waiting-requests)")
+            self._queued += 1
+        command = _Add(request_id, prompt, token_ids, params, cache_salt,
+                       _Sink(asyncio.get_running_loop(), outputs))
+        self._commands.put(command)
+        await asyncio.wrap_future(command.done)
+
+    def abort(self, request_ids) -> None:
+        """Withdraw requests (a client went away): their blocks are freed before the next step."""
+        self._commands.put(list(request_ids))
+
+    # -- the loop (its own thread) --------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            if any(c is _STOP for c in commands):
+                self._close(commands)
+                return
+            self._apply(commands)
+            if engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._publish()
+
+    def _take_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list) -> None:
+        added = 0
+        for command in commands:
+            if isinstance(command, _Add):
+                added += 1
+                self._add(command)
+            else:
+                for rid in command:
+                    self._sinks.pop(rid, None)
+                self.engine.abort_request(command)
+        if added:
+            self._publish(taken=added)
+
+    def _add(self, c: _Add) -> None:
+        try:
+            self.engine.add_request(c.request_id, c.prompt, c.params, prompt_token_ids=c.token_ids, stream=True,
+                                    cache_salt=c.cache_salt)
+        except Exception as e:  # ValueError / TypeError: the client's; anything else reaches it as well
+            c.done.set_exception(e)
+            return
+        self._sinks[c.request_id] = c.sink
+        c.done.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs: list[RequestOutput] = self.engine.step()
+        except Exception as e:
+            # The engine cannot say which requests the failed step held, so every request in it is
+            # withdrawn and told; the loop goes on serving new ones.
+            logger.exception("kvpage server: an engine step failed; its requests are aborted")
+            self.num_failed_steps += 1
+            self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
+            return
+        self._publish()  # before the outputs: a client that saw its request end sees it in /metrics too
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.put(out)
+
+    def _close(self, commands: list) -> None:
+        error = EngineStepError("the server is shutting down")
+        for c in commands:
+            if isinstance(c, _Add):
+                c.done.set_exception(error)
+        self._fail_all(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        sinks, self._sinks = self._sinks, {}
+        self.engine.abort_request(list(sinks))
+        self._publish()
+        for sink in sinks.values():
+            sink.put(error)
+
+    def _publish(self, taken: int = 0) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._queued -= taken
+            self._engine_waiting = stats["num_waiting"]
+            self.stats = stats

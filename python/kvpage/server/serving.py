@@ -1,0 +1,195 @@
+"""What the completions and chat endpoints share: the server's context, a request's SamplingParams,
+running its prompts through the engine loop, per-choice stream deltas, usage and SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from kvpage.engine.outputs import CompletionOutput, RequestOutput
+from kvpage.engine.sampling_params import SamplingParams
+
+from .engine_loop import EngineLoop, EngineStepError
+from .errors import RequestError, field_named_in
+from .metrics import ServerMetrics
+from .protocol import error_body
+
+
+@dataclass
+class ServingContext:
+    engine_loop: EngineLoop
+    tokenizer: object
+    model_name: str
+    max_model_len: int | None
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                               code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_field: str,
+                     max_tokens_field: str = "max_tokens") -> int:
+        """max_tokens, or the room left in the context where it is None (vLLM's default); a prompt
+        that leaves no room, or max_tokens past it, is refused naming the field."""
+        limit = self.max_model_len
+        if limit is None:
+            return 16 if max_tokens is None else max_tokens
+        if num_prompt >= limit:
+            raise RequestError(f"{prompt_field} has {num_prompt} tokens; this model's maximum context length is"
+                               f" {limit} tokens, leaving no room to generate", prompt_field)
+        if max_tokens is not None and max_tokens > limit - num_prompt:
+            raise RequestError(f"{max_tokens_field}={max_tokens} is too large: this model's maximum context length"
+                               f" is {limit} tokens and the {prompt_field} has {num_prompt}, leaving"
+                               f" {limit - num_prompt}", max_tokens_field)
+        return limit - num_prompt if max_tokens is None else max_tokens
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """The request's SamplingParams; SamplingParams' own checks name the field (400)."""
+    if req.use_beam_search:
+        raise RequestError("use_beam_search is not supported by this server", "use_beam_search")
+    try:
+        bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias is not None else None
+    except ValueError:
+        raise RequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                 repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
+    try:
+        return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                              seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, logit_bias=bias,
+                              skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              **{k: v for k, v in given.items() if v is not None})
+    except (ValueError, TypeError) as e:
+        param = field_named_in(str(e), type(req).model_fields, {"max_tokens": max_tokens_field})
+        raise RequestError(str(e) if param is None or param in str(e) else f"{param}: {e}", param) from None
+
+
+@dataclass
+class EnginePrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class Submitted:
+    """A request's prompts, queued in the engine as one engine request each."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, num_prompts: int) -> None:
+        self.ctx, self.request_id = ctx, request_id
+        self.ids = [f"{request_id}-{i}" for i in range(num_prompts)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: set[str] = set()
+        self.arrival = time.perf_counter()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, RequestOutput) as the engine reports them, until every prompt finished.
+        Leaving early (the client went away: the consumer is cancelled or closes this) aborts the
+        unfinished ones, which frees their blocks before the engine's next step."""
+        index_of = {rid: i for i, rid in enumerate(self.ids)}
+        try:
+            while self.pending:
+                for out in await self._latest():
+                    if out.finished:
+                        self.pending.discard(out.request_id)
+                        self.ctx.metrics.observe_finished(out, self.arrival)
+                    yield index_of[out.request_id], out
+        finally:
+            self.abort()
+
+    async def _latest(self) -> list[RequestOutput]:
+        """Every output queued by now, only the latest per request: outputs are cumulative, so a
+        consumer that fell behind (a slow client, a busy event loop) catches up in one go."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        latest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, EngineStepError):
+                self.pending.clear()  # the loop withdrew them all
+                raise item
+            latest[item.request_id] = item
+        return list(latest.values())
+
+    def abort(self) -> None:
+        if self.pending:
+            self.ctx.engine_loop.abort(self.pending)
+            self.pending = set()
+
+
+async def submit(ctx: ServingContext, request_id: str, prompts: list[EnginePrompt], params: SamplingParams,
+                 req, prompt_field: str) -> Submitted:
+    """Queue every prompt, or none: a prompt the engine refuses withdraws the others and raises
+    RequestError naming the field (QueueFull where the waiting queue is full)."""
+    sub = Submitted(ctx, request_id, len(prompts))
+    try:
+        for i, (rid, prompt) in enumerate(zip(sub.ids, prompts)):
+            sub.pending.add(rid)  # before the await: a client gone during it still has this one aborted
+            try:
+                await ctx.engine_loop.add_request(rid, prompt.text, prompt.token_ids, params, req.cache_salt,
+                                                  sub.queue)
+            except (ValueError, TypeError) as e:
+                sub.pending.discard(rid)
+                # The scheduler's messages lead with the internal request id: the client's index instead.
+                message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
+                if len(prompts) > 1:
+                    message = f"prompt {i}: {message}"
+                param = field_named_in(message, type(req).model_fields, {"prompt": prompt_field})
+                raise RequestError(message, param) from None
+    except BaseException:
+        sub.abort()
+        raise
+    return sub
+
+
+@dataclass
+class ChoiceStream:
+    """What one choice has sent so far. Text is held back by the longest stop string less one
+    character until the choice finishes: a stop string completed by a later token truncates text
+    that would otherwise have gone out already."""
+    holdback: int = 0
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+    started: bool = False  # a first chunk went out (chat's role, completions' echo)
+    text_offset: int = 0  # completions' logprobs: characters before the next token
+
+    def delta(self, c: CompletionOutput) -> tuple[str, slice, str | None]:
+        """(new text, slice of the new token ids, finish reason if it just finished)."""
+        end = len(c.text) if c.finished else max(self.text_sent, len(c.text) - self.holdback)
+        text, self.text_sent = c.text[self.text_sent:end], end
+        tokens, self.tokens_sent = slice(self.tokens_sent, len(c.token_ids)), len(c.token_ids)
+        self.finished = c.finished
+        return text, tokens, c.finish_reason
+
+
+def stream_holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def usage(final: list[RequestOutput]) -> dict:
+    """OpenAI's usage from the final output of every prompt; cached_tokens from the prefix cache."""
+    prompt = sum(len(o.prompt_token_ids) for o in final)
+    completion = sum(len(c.token_ids) for o in final for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens or 0 for o in final)}}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def sse_error(error: Exception) -> str:
+    if isinstance(error, RequestError):
+        return sse(error_body(error.message, error.status, error.param, error.code))
+    return sse(error_body(str(error), 500, code="engine_error"))

@@ -1,0 +1,105 @@
+"""POST /v1/chat/completions: the messages through the tokenizer's chat template (as LLM.chat does),
+n choices, logprobs in chat's format, streamed or whole."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from kvpage.engine.outputs import CompletionOutput, RequestOutput
+
+from .engine_loop import EngineStepError
+from .errors import RequestError
+from .logprobs import chat_logprobs
+from .protocol import ChatCompletionRequest, ChatMessage
+from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, new_id, sampling_params, sse, sse_error,
+                      stream_holdback, submit, usage)
+
+
+def _content(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(part.text for part in message.content)
+
+
+def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> EnginePrompt:
+    """The conversation as the chat template writes it, and its token ids (the template wrote the
+    special tokens already, so they are not added again)."""
+    tokenizer = ctx.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model has no chat template: use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
+                    for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template's raise_exception (roles out of order, ...) is jinja's TemplateError
+        raise RequestError(f"messages: the chat template refused them: {e}", "messages") from None
+    return EnginePrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> ChatAnswer:
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.check_length(len(prompt.token_ids), getattr(req, name), "messages", name)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             max_tokens_field=name)
+    return ChatAnswer(ctx, req, await submit(ctx, new_id("chatcmpl"), [prompt], params, req, "messages"), params)
+
+
+class ChatAnswer:
+    """The response of one submitted chat request, whole or as server-sent events."""
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: Submitted, params) -> None:
+        self.ctx, self.req, self.sub = ctx, req, sub
+        self.holdback = stream_holdback(params)
+        self.created = int(time.time())
+
+    def _body(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.sub.request_id, "object": obj, "created": self.created, "model": self.ctx.model_name,
+                "choices": choices, **extra}
+
+    def _logprobs(self, token_ids: list[int], entries: list) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(token_ids, entries, self.ctx.tokenizer, self.req.top_logprobs or 0)
+
+    async def whole(self) -> dict:
+        final: RequestOutput | None = None
+        async for _, out in self.sub.outputs():
+            final = out
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs or []), "finish_reason": c.finish_reason}
+                   for c in final.outputs]
+        return self._body("chat.completion", choices, usage=usage([final]))
+
+    async def stream(self) -> AsyncIterator[str]:
+        choices: dict[int, ChoiceStream] = {}
+        final = None
+        try:
+            async for _, out in self.sub.outputs():
+                for c in out.outputs:
+                    state = choices.setdefault(c.index, ChoiceStream(self.holdback))
+                    if not state.finished:
+                        chunk = self._delta(c, state)
+                        if chunk is not None:
+                            yield sse(self._body("chat.completion.chunk", [chunk]))
+                final = out
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield sse(self._body("chat.completion.chunk", [], usage=usage([final])))
+        except (EngineStepError, RequestError) as e:
+            yield sse_error(e)
+        yield sse("[DONE]")
+
+    def _delta(self, c: CompletionOutput, state: ChoiceStream) -> dict | None:
+        text, tokens, reason = state.delta(c)
+        delta = {"content": text} if text or not state.started else {}
+        if not state.started:
+            state.started = True
+            delta["role"] = "assistant"
+        elif not (text or reason or (self.req.logprobs and c.token_ids[tokens])):
+            return None
+        return {"index": c.index, "delta": delta,
+                "logprobs": self._logprobs(c.token_ids[tokens], (c.logprobs or [])[tokens]), "finish_reason": reason}
