@@ -156,3 +156,14 @@ def test_an_orphan_can_not_be_left_by_a_failing_admission(llm, baseline, monkeyp
     assert_whole_and_idle(llm)
     monkeypatch.undo()
     assert control_tokens(llm) == baseline[0]
+
+
+def test_max_model_len_lowers_the_context_limit():
+    short = tiny_llm(max_model_len=12)
+    ids = list(range(5, 15))  # 10 prompt tokens
+    out = short.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="exceeds max_model_len=12"):
+        short.generate([list(range(5, 18))], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds the model's context of 512"):
+        tiny_llm(max_model_len=100_000)

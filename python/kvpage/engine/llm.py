@@ -35,7 +35,7 @@ class LLM:
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
-                 matmul_precision: str = "highest", max_logprobs: int = 20) -> None:
+                 matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -48,6 +48,7 @@ class LLM:
         may compute in bf16: weights and inputs rounded to bf16, bf16 dot products with float32 sums,
         twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical).
         max_logprobs (vLLM's): the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
+        max_model_len (vLLM's): the context limit (prompt + output), at most the model's own; None: the model's.
         Calls from several threads are safe: they run one at a time."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
@@ -62,6 +63,7 @@ class LLM:
             raise ValueError(f"swap_space_gib must be a finite number >= 0 or None, got {swap_space_gib!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        _check_optional_positive("max_model_len", max_model_len)
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         seed = resolve_seed(seed)
@@ -104,7 +106,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_model_len=max_model_len(config), preemption_mode=preemption_mode,
+            max_model_len=_context_limit(config, max_model_len), preemption_mode=preemption_mode,
             eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
@@ -278,6 +280,16 @@ class LLM:
             stats["kv_cache_bytes_per_rank"] = [sum(t.numel() * t.element_size()
                                                     for kv in self.runner.kv_caches for t in kv)]
         return stats
+
+
+def _context_limit(config, requested: int | None) -> int | None:
+    """max_model_len: the model's own limit, or a lower one asked for (vLLM refuses a higher one)."""
+    limit = max_model_len(config)
+    if requested is None:
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's context of {limit} tokens")
+    return requested
 
 
 def _check_optional_positive(name: str, value) -> None:

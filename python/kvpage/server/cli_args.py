@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 
 logger = logging.getLogger("kvpage.server")
@@ -41,19 +40,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def set_max_model_len(llm, value: int | None) -> None:
-    """Lower the engine's context limit before any request: the scheduler's config is frozen, so it
-    is replaced whole. A value past the model's own limit is refused (vLLM's rule)."""
-    if value is None:
-        return
-    engine = llm.llm_engine
-    model_limit = engine.config.max_model_len
-    if model_limit is not None and value > model_limit:
-        raise ValueError(f"max_model_len={value} exceeds the model's context of {model_limit} tokens")
-    engine.config.max_model_len = value
-    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_model_len=value)
-
-
 def model_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -74,9 +60,8 @@ def run_server(args) -> None:
                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                      tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                      kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
-                     matmul_precision=args.matmul_precision)
+                     matmul_precision=args.matmul_precision, max_model_len=args.max_model_len)
     try:
-        set_max_model_len(llm, args.max_model_len)
         app = build_app(llm, model_name(args), api_key=args.api_key,
                         max_waiting_requests=args.max_waiting_requests)
         logger.warning("kvpage serve: %s on http://%s:%d/v1", model_name(args), args.host, args.port)
