@@ -36,10 +36,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-# bench/ last on the path, not first (where `python bench/serve.py` puts it): bench/kernels.py would
-# shadow the `kernels` package that transformers imports where it is installed.
-_BENCH = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH] + [_BENCH]
 from common import RESULTS_DIR, machine_info, print_table, random_prompt, wait_until_idle, write_json  # noqa: E402
 
 import kvpage  # noqa: E402

@@ -50,6 +50,7 @@ SCRIPTS = {
     "example_hf_generate_paged": (["examples/hf_generate_paged.py", "--quick"], None),
     "example_paged_decode_loop": (["examples/paged_decode_loop.py", "--quick"], None),
     "engine_faults": (["bench/engine_faults.py", "--quick"], "engine_faults_quick.json"),
+    "serve": (["bench/serve.py", "--quick"], "serve_quick.json"),
     "kernels_cpu": (["bench/kernels_cpu.py", "--quick"], "kernels_quick.json"),
     "linear": (["bench/linear.py", "--quick"], "linear_quick.json"),
     "scheduler_sim": (["bench/scheduler_sim.py", "--quick"], "scheduler_sim_quick.json"),
