@@ -43,7 +43,9 @@ def _prior(runner, block_size: int) -> PreemptionCostModel:
 def probe_swap(runner, repeats: int = 7) -> tuple[float, float] | None:
     """(one-way bytes/s, seconds of fixed overhead per swap_blocks call) of the runner's device cache
     to host memory, or None where there is no cache here to probe. Round trips of 1..8 blocks into a
-    scratch host buffer and back: the device blocks end as they began and the host pool is untouched."""
+    scratch host buffer and back: the device blocks end as they began and the host pool is untouched.
+    On a CPU a few blocks fit in the last-level cache, so the bandwidth is an upper bound; it decides
+    nothing there, where recompute costs orders of magnitude more per token than a copy."""
     caches = [t for kv in getattr(runner, "kv_caches", None) or () for t in kv]
     if not caches:
         return None
