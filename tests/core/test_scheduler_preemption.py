@@ -4,6 +4,7 @@ import random
 import pytest
 
 from fake_runner import Arrival, FakeRunner, assert_pool_whole, drive, expected_outputs
+from test_scheduler_cost_model import measured
 from kvpage.core import (BlockManager, LeastProgressLost, MostRecentlyAdmitted, PreemptionCostModel, RequestStatus,
                          Scheduler, check_block_manager)
 
@@ -46,6 +47,18 @@ def test_the_cost_model_picks_recompute_for_short_sequences_and_swap_for_long_on
     result = drive(s, arrivals)
     _check_outputs(result, arrivals)
     assert s.stats().num_swap_preemptions > 0 and s.stats().num_recompute_preemptions > 0
+
+
+@pytest.mark.parametrize("bytes_per_s,mode", [(1e9, "swap"), (1e5, "recompute")])
+def test_the_scheduler_preempts_as_the_measured_model_says(bytes_per_s, mode):
+    model = measured(bytes_per_s=bytes_per_s, overhead_s=0.0, seconds_per_token=1e-4)
+    arrivals = _workload(4, max_prompt=120, max_out=30)
+    s = Scheduler(BlockManager(60, 4, num_host_blocks=200), max_num_batched_tokens=64, cost_model=model)
+    result = drive(s, arrivals)
+    _check_outputs(result, arrivals)
+    stats = s.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_preemptions == (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions)
 
 
 def test_a_full_host_pool_falls_back_to_recompute():

@@ -17,14 +17,14 @@ __all__ = [
 ]
 
 # The scheduler (issue 4): request state, victim policies, the swap-versus-recompute cost model.
-from .cost_model import PreemptionCostModel, cost_model_from_measurements  # noqa: E402
+from .preemption_cost import MeasuredCostModel, PreemptionCostModel, cost_model_from_measurements  # noqa: E402
 from .policies import LeastProgressLost, MostRecentlyAdmitted, VictimPolicy, get_policy  # noqa: E402
 from .request import FinishReason, Request, RequestStatus  # noqa: E402
 from .scheduler import Scheduler, SchedulerConfig, SchedulerStats  # noqa: E402
 from .scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
 
 __all__ += [
-    "FinishReason", "LeastProgressLost", "MostRecentlyAdmitted", "PreemptionCostModel", "Request",
+    "FinishReason", "LeastProgressLost", "MeasuredCostModel", "MostRecentlyAdmitted", "PreemptionCostModel", "Request",
     "RequestStatus", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
     "VictimPolicy", "cost_model_from_measurements", "get_policy",
 ]

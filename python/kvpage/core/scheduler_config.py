@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManagerStats
-from .cost_model import PreemptionCostModel
+from .preemption_cost import MeasuredCostModel, PreemptionCostModel
 from .policies import VictimPolicy, check_preemption_mode
 
 
@@ -15,7 +15,7 @@ class SchedulerConfig:
     max_model_len: int | None = None  # prompt + max_tokens beyond this is rejected at admission
     policy: str | VictimPolicy = "recent"  # "recent" | "least_progress" | a VictimPolicy
     preemption_mode: str | None = None  # "swap" | "recompute" | None: the policy's, else the cost model's
-    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
+    cost_model: PreemptionCostModel | MeasuredCostModel = field(default_factory=PreemptionCostModel)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpage.core.cost_model import PreemptionCostModel
+from kvpage.core.preemption_cost import PreemptionCostModel
 
 from .device import Device
 from .memory import kv_bytes_per_token

@@ -270,7 +270,15 @@ class LLM:
 
     def stats(self) -> dict:
         """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes
-        (device pool) each rank allocated, measured on that rank."""
+        (device pool) each rank allocated, measured on that rank. What the swap-versus-recompute cost model
+        measured on this machine (kvpage.engine.cost_measurement), None where not measured:
+        swap_bytes_per_s (one way, KV cache to host memory) and swap_overhead_s (fixed seconds per swap
+        call), from a probe at start-up, in this process (not with tensor_parallel_size > 1);
+        prefill_tokens_per_s: tokens per second a forward pass adds per extra token, fitted to the recent
+        steps' timings (None before the first step); swap_preferred_from_tokens: the shortest victim, in
+        tokens, the model would swap rather than recompute (None: never); preferred_preemption_mode:
+        "swap" or "recompute" for a victim as long as the mean request so far (prompt plus output), or
+        the mode fixed by preemption_mode (recompute without a host pool)."""
         with self._lock:
             stats = self.llm_engine.stats()
         stats["tensor_parallel_size"] = self.tensor_parallel_size

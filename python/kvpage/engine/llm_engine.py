@@ -15,6 +15,7 @@ import torch
 from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 from kvpage.core.interrupts import deferred_interrupts
 
+from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .logits_processors import bad_words_token_ids
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -80,9 +81,10 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           num_host_blocks=config.num_host_blocks,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        self.cost_model = measured_cost_model(runner, config.block_size)  # swap vs recompute, priced here
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                                   preemption_mode=config.preemption_mode)
+                                   preemption_mode=config.preemption_mode, cost_model=self.cost_model)
         self.sampler = Sampler(config.seed)
         self._states: dict[str, _RequestState] = {}
         self._token_text: dict[int, str] = {}  # decoded_token of logprobs, one tokenizer call per id
@@ -243,8 +245,10 @@ class LLMEngine:
             sample_rows, result, prompt_logprobs = [], None, []
             self._check_progress(out)
             if not out.is_empty:
+                started = time.perf_counter()
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
                 sample_rows, result = self._sample(rows, logits[:len(rows)])
+                record_step_time(self.cost_model, out, started)
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
             sampled = self._sampled(rows, result)
             # The commit: the scheduler's and the engine's records of the step land together.
@@ -452,4 +456,9 @@ class LLMEngine:
             "num_copy_on_write": b.num_copy_on_write, "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_swapped": s.num_swapped, "num_finished": s.num_finished, "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
-        }
+        } | cost_model_stats(self.cost_model, self.config.block_size, self.scheduler.preemption_mode,
+                             b.num_host_blocks, self._mean_request_tokens(s.num_finished))
+
+    def _mean_request_tokens(self, num_finished: int) -> float | None:
+        num_requests = num_finished + len(self._states)
+        return (self.num_prompt_tokens + self.num_generation_tokens) / num_requests if num_requests else None
