@@ -111,8 +111,8 @@ def assert_whole_and_idle(llm: kvpage.LLM) -> None:
     """The bookkeeping invariants hold, and nothing is running, queued or holding a block."""
     engine = llm.llm_engine
     scheduler = engine.scheduler
+    stats = llm.stats()  # first: like every call, it finishes a clean-up an interrupt cut short
     check_block_manager(engine.block_manager, scheduler.sequences())
-    stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0, stats
     assert stats["num_swapped"] == 0 and engine.block_manager.host.num_used == 0, stats
     assert not engine.has_unfinished_requests() and scheduler.pending is None

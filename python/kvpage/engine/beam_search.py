@@ -93,15 +93,15 @@ class _BeamRun:
                 if not self.unsatisfied or all(hits):
                     break
                 logits = self._decode()
+            with deferred_interrupts():
+                for seq in self._holders:
+                    self.bm.free(seq)
         except BaseException:
             # Cut short anywhere (inside a fork or a free included): the beams' blocks are dropped by
             # rebuilding the pools from the tables the scheduler knows, which hold no beam.
             with deferred_interrupts():
                 self.engine.scheduler.rebuild_block_accounting()
             raise
-        with deferred_interrupts():
-            for seq in self._holders:
-                self.bm.free(seq)
         return self.finished
 
     def _execute(self, seqs: list[Sequence], counts: list[int], copies) -> torch.Tensor:

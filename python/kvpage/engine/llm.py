@@ -114,6 +114,7 @@ class LLM:
         self._counter = itertools.count()
         # One call at a time owns the engine: a second thread waits rather than stepping into its state.
         self._lock = threading.RLock()
+        self._unfinished_call: list[str] = []  # the request ids of a call that has not returned
 
     def _check_kv_memory(self, num_kv_blocks: int, num_host_blocks: int, block_size: int) -> None:
         """ValueError naming num_kv_blocks / swap_space_gib where the caches cannot fit in the free memory
@@ -203,7 +204,10 @@ class LLM:
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
             self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
-        ids: list[str] = []  # filled by _add_all as it queues, so a failure anywhere withdraws them all
+        self._settle()
+        # Filled by _add_all as it queues, so a failure anywhere withdraws them all (here, or next call).
+        ids: list[str] = []
+        self._unfinished_call = ids
         try:
             beams = self._add_all(items, ids)
             results = self._drain(len(ids), use_tqdm)
@@ -223,7 +227,16 @@ class LLM:
                                            request_id=str(next(self._counter)), cache_salt=items[i].cache_salt))
             else:
                 ordered.append(results[next(it)])
+        self._unfinished_call = []
         return ordered
+
+    def _settle(self) -> None:
+        """Finish what an interrupt cut short in the last call's clean-up: its requests withdrawn, no
+        step left half done. Every call (stats() too) starts here, so none sees a half-failed engine."""
+        if self._unfinished_call:
+            self.llm_engine.abort_request(self._unfinished_call)
+            self._unfinished_call = []
+        self.llm_engine.settle()
 
     def _drain(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until the engine is idle; the final output of every request that finished."""
@@ -280,6 +293,7 @@ class LLM:
         "swap" or "recompute" for a victim as long as the mean request so far (prompt plus output), or
         the mode fixed by preemption_mode (recompute without a host pool)."""
         with self._lock:
+            self._settle()
             stats = self.llm_engine.stats()
         stats["tensor_parallel_size"] = self.tensor_parallel_size
         if self.tensor_parallel_size > 1:

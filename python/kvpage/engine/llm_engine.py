@@ -93,6 +93,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.max_kv_blocks_used = 0
         self._idle_steps = 0
+        self._consistent = True  # False from a step's start until it is committed or repaired
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -237,7 +238,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of streaming requests that advanced, and of every
         request that finished (its final output)."""
+        self.settle()
         try:
+            self._consistent = False
             out = self.scheduler.schedule()  # on failure it has already put everything back
             self.num_steps += 1
             self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
@@ -257,26 +260,34 @@ class LLMEngine:
                 self._record_samples(rows, sample_rows, result)
                 for state, position, entries in prompt_logprobs:  # in order: no position comes twice
                     state.prompt_logprobs[position + 1:] = entries
-                return self._process(rows)
+                outputs = self._process(rows)
+                self._consistent = True
+            return outputs
         except BaseException:
             # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
             # step and its requests run again from a consistent state; the caller decides about them.
-            # (Not `out`: an interrupt may land after schedule() returned but before out was bound.)
+            self._repair()
+            raise
+
+    def settle(self) -> None:
+        """Finish the clean-up of a failed step that an interrupt cut short (a no-op otherwise)."""
+        if not self._consistent:
+            self._repair()
+
+    def _repair(self) -> None:
+        """After a failure: no step pending (not `out`: an interrupt may land after schedule() returned
+        but before out was bound), and the engine's requests and the scheduler's the same set (a request
+        only one side knows is withdrawn), so no later call trips over a half-known request."""
+        with deferred_interrupts():
             pending = self.scheduler.pending
             if pending is not None:
                 self.scheduler.discard_step(pending)
-            self._reconcile()
-            raise
-
-    def _reconcile(self) -> None:
-        """After a failure: the engine's requests and the scheduler's are the same set (a request
-        only one side knows is withdrawn), so no later call trips over a half-known request."""
-        with deferred_interrupts():
             known = self.scheduler.requests
             for rid in [rid for rid in self._states if rid not in known]:
                 del self._states[rid]
             for rid in [rid for rid in known if rid not in self._states]:
                 self.scheduler.abort_request(rid)
+            self._consistent = True
 
     def _check_progress(self, out: SchedulerOutput) -> None:
         self._idle_steps = 0 if not out.is_empty else self._idle_steps + 1
