@@ -1,5 +1,5 @@
 // One Llama-style pre-norm decoder layer of a kvpage CPU step, in one op call: the same kernels, in the
-// same order, as python/kvpage/model/fast_decoder_layer.py's Python sequence (so the same bits), without
+// same order, as python/kvpage/model/llama.py's composed DecoderLayer (so the same bits), without
 // ~45 Python-level op dispatches per layer (~5 ms of a 64-sequence decode step over SmolLM2's 30 layers).
 // Each kernel call is recorded under its op's name, so torch.profiler still shows where the time goes.
 //

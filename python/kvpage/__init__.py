@@ -1,7 +1,12 @@
 """kvpage: a paged KV-cache LLM inference engine (CUDA + vectorised CPU kernels, vLLM-style scheduling)."""
 import importlib
 
+from . import hf_registry
+
 __version__ = "0.1.0"
+
+# attn_implementation="kvpage" works in transformers from here on, without importing it now.
+hf_registry.install()
 
 # Submodules load on first use, so the pure-Python bookkeeping (kvpage.core) imports
 # without the compiled extension, and `import kvpage` stays cheap.

@@ -185,13 +185,14 @@ def test_8_kv_heads_16bit_weights(precision):
     try:
         got = tp2.generate(prompts, GREEDY, use_tqdm=False)
         rank0 = tp2.runner.runner.model
-        linears = [m for m in rank0.modules() if isinstance(m, torch.nn.Linear)]
-        if cpu_layout.slab_kernel_available():
-            assert linears and all(cpu_layout._SLABS[m][0].packed.dtype == torch.bfloat16 for m in linears)
+        slabs = tp2.runner.runner.forward.packed_weights()
+        if cpu_layout.slab_kernel_available():  # each layer's 4 matrices (a shard's) and the LM head's slice
+            assert len(slabs) == 4 * rank0.config.num_hidden_layers + 1
+            assert all(packed.dtype == torch.bfloat16 for packed in slabs)
             pairs = precision == "medium" and bf16_dot_available()
-            assert all(cpu_layout._SLABS[m][0].packed.dim() == (4 if pairs else 3) for m in linears)
+            assert all(packed.dim() == (4 if pairs else 3) for packed in slabs)
         else:  # no slab kernel (KVPAGE_CPU_ISA=generic): float32 products of the rounded weights
-            assert linears and not any(m in cpu_layout._SLABS for m in linears)
+            assert not slabs
         assert all(torch.equal(p, p.bfloat16().float()) for p in rank0.parameters())
     finally:
         tp2.shutdown()

@@ -23,7 +23,7 @@ def rounded(request, llm):
     """(weight_dtype name, an LLM with it on a freshly loaded default model, HF's greedy references on
     that model's rounded parameters)."""
     engine = kvpage.LLM(num_kv_blocks=1024, weight_dtype=request.param)
-    hf = copy.deepcopy(engine.model)  # the copy's linears find no packed weight: plain F.linear
+    hf = copy.deepcopy(engine.model)  # HF's own modules on the same rounded weights
     hf.set_attn_implementation("sdpa")
     ids = [engine.tokenizer.encode(p) for p in WEIGHT_PROMPTS]
     return request.param, engine, hf_generate(hf.eval(), ids, GREEDY.max_tokens)
@@ -37,11 +37,12 @@ def test_weights_are_rounded_and_linears_stored_in_16_bits(llm, rounded):
         assert param.dtype == torch.float32 and torch.equal(param, param.to(dtype).float())
     originals = dict(llm.model.named_parameters())
     assert any(not torch.equal(p, originals[n]) for n, p in params.items())  # rounding changed something
-    slabs = [cpu_layout._SLABS.get(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    if cpu_layout.slab_kernel_available():
-        assert slabs and all(entry is not None and entry[0].packed.dtype == dtype for entry in slabs)
+    slabs = engine.runner.forward.packed_weights()
+    if cpu_layout.slab_kernel_available():  # every layer's 4 matrices and the LM head
+        assert len(slabs) == 4 * engine.model.config.num_hidden_layers + 1
+        assert all(packed.dtype == dtype for packed in slabs)
     else:  # no slab kernel (KVPAGE_CPU_ISA=generic): the linears multiply the rounded fp32 weights
-        assert slabs and not any(slabs)
+        assert not slabs
 
 
 def _sampled_logprobs(output) -> torch.Tensor:
@@ -86,10 +87,8 @@ def test_bad_weight_dtype_names_the_argument(llm):
         kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, weight_dtype="int8")
     with pytest.raises(ValueError, match="matmul_precision"):
         kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, matmul_precision="low")
-    with pytest.raises(ValueError, match="matmul_precision"):  # packed already, as plain fp32 slabs
-        kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, num_kv_blocks=64, matmul_precision="medium")
     before = [p.clone() for p in llm.model.parameters()]
-    with pytest.raises(ValueError, match="weight_dtype"):  # its linears are packed already, unrounded
+    with pytest.raises(ValueError, match="weight_dtype"):  # llm's forward packed them already, unrounded
         kvpage.LLM(model=llm.model, tokenizer=llm.tokenizer, num_kv_blocks=64, weight_dtype="bfloat16")
     assert all(torch.equal(a, b) for a, b in zip(before, llm.model.parameters()))  # and nothing was rounded
 
@@ -148,11 +147,11 @@ def test_medium_precision_computes_in_bf16_close_to_the_rounded_weights(medium):
     from kvpage.ops.layers import bf16_dot_available
 
     engine, refs = medium
-    slabs = [cpu_layout._SLABS.get(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    slabs = engine.runner.forward.packed_weights()
     if cpu_layout.slab_kernel_available():
-        assert all(entry[0].packed.dim() == (4 if bf16_dot_available() else 3) for entry in slabs)
+        assert slabs and all(packed.dim() == (4 if bf16_dot_available() else 3) for packed in slabs)
     else:  # no slab kernel (KVPAGE_CPU_ISA=generic): float32 products of the rounded weights
-        assert not any(slabs) and not bf16_dot_available()
+        assert not slabs and not bf16_dot_available()
     params = kvpage.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, logprobs=0)
     outputs = engine.generate(WEIGHT_PROMPTS, params, use_tqdm=False)
     gaps = []

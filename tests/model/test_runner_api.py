@@ -6,7 +6,10 @@ from torch.profiler import ProfilerActivity, profile
 from kvpage import ops
 from kvpage.model import (AttentionMetadata, ModelInput, ModelRunner, SequenceInput, kv_cache_bytes_per_block,
                           kvpage_attention_forward, num_blocks_for_memory, set_forward_context)
-from tiny_models import model_pair, needs_slab_kernels, random_prompts, tiny_model
+from kvpage.model.attention import HFForward
+from kvpage.model.cpu_layout import slab_kernel_available
+from kvpage.model.llama import LlamaForward
+from tiny_models import model_pair, random_prompts, tiny_model
 
 BLOCK = 8
 
@@ -21,16 +24,21 @@ def prefill_input(prompts, do_sample=True):
     return ModelInput(seqs)
 
 
-def test_logits_only_for_sampled_rows_match_hf_forward():
+@pytest.mark.parametrize("generic", [False, True])  # kvpage's own forward, or HF's modules
+def test_logits_only_for_sampled_rows_match_hf_forward(generic, monkeypatch):
     reference, model = model_pair("llama")
+    if generic:
+        monkeypatch.setattr("kvpage.model.runner.llama_family_mismatch", lambda config: "the generic path")
     runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
+    assert isinstance(runner.forward, HFForward if generic else LlamaForward)
     prompts = random_prompts([7, 12, 3])
     batch = prefill_input(prompts)
     batch.scheduled[1].do_sample = False  # a prefill chunk that ends mid-prompt samples nothing
     rows = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    compute_logits = type(runner.forward).compute_logits
+    monkeypatch.setattr(type(runner.forward), "compute_logits",
+                        lambda self, hidden: rows.append(hidden.shape[0]) or compute_logits(self, hidden))
     logits = runner.execute(batch)
-    hook.remove()
     assert rows == [2] and logits.shape == (2, model.config.vocab_size) and logits.dtype == torch.float32
     with torch.no_grad():
         want = [reference(torch.tensor([p])).logits[0, -1] for p in (prompts[0], prompts[2])]
@@ -38,21 +46,26 @@ def test_logits_only_for_sampled_rows_match_hf_forward():
 
 
 def _attention_kernels(runner, batch) -> list[str]:
-    """The attention kernels one step ran, by name, as torch.profiler records them (the lean layers'
-    fused op records each kernel it calls under the kernel's op name)."""
+    """The attention kernels one step ran, by name, as torch.profiler records them (the fused decoder
+    layer op records each kernel it calls under the kernel's op name)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.execute(batch)
     names = ("kvpage::paged_attention", "kvpage::paged_prefill_attention")
     return [e.name for e in prof.events() if e.name in names]
 
 
-@pytest.mark.parametrize("lean", [pytest.param(True, marks=needs_slab_kernels), False])
-def test_decode_steps_use_the_decode_kernel(lean, monkeypatch):
-    if not lean:  # HF's module path: the kvpage attention function picks the kernel
-        monkeypatch.setattr("kvpage.model.runner.install_fast_decoder_layers", lambda model: 0)
+@pytest.mark.parametrize("backend", ["slabs", "torch", "generic"])
+def test_decode_steps_use_the_decode_kernel(backend, monkeypatch):
+    """Whichever forward runs (the fused C++ layer, composed torch ops, HF's modules with the kvpage
+    attention function), a prefill step runs the varlen kernel and a decode step the decode kernel."""
+    if backend == "slabs" and not slab_kernel_available():
+        pytest.skip(f"no slab kernels on CPU ISA {ops.cpu_isa()!r}")
+    if backend == "torch":
+        monkeypatch.setattr("kvpage.model.llama.slab_kernel_available", lambda: False)
+    if backend == "generic":
+        monkeypatch.setattr("kvpage.model.runner.llama_family_mismatch", lambda config: "the generic path")
     _, model = model_pair("qwen2")
     runner = ModelRunner(model, num_kv_blocks=16, block_size=BLOCK)
-    assert all("forward" in vars(layer) for layer in model.model.layers) == lean
     prompts = random_prompts([5, 9])
     layers = model.config.num_hidden_layers
     assert _attention_kernels(runner, prefill_input(prompts)) == ["kvpage::paged_prefill_attention"] * layers

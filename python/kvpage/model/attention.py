@@ -12,15 +12,17 @@ attention kwargs (transformers' in-place kwargs contract for paged caches), so t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvpage import ops
+from kvpage.hf_registry import ATTN_IMPLEMENTATION
 
-from .metadata import AttentionMetadata, get_forward_context
+from .metadata import AttentionMetadata, get_forward_context, set_forward_context
 
-ATTN_IMPLEMENTATION = "kvpage"
 # The attention kwarg through which a kvpage.PagedCache's update() hands itself to this function.
 PAGED_CACHE_KWARG = "kvpage_paged_cache"
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,7 +53,7 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     ([B, T, num_heads, D], None), the layout of transformers' sdpa_attention_forward.
 
     Under ModelRunner, B is 1 (the runner's flat batch); under a PagedCache, B is HF's padded batch and
-    attention_mask the 2D padding mask (see _padding_mask)."""
+    attention_mask the 2D padding mask (see padding_mask)."""
     paged_cache = kwargs.get(PAGED_CACHE_KWARG)
     try:
         _check_supported(module, dropout, kwargs)
@@ -70,11 +72,7 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         context = get_forward_context()
     except RuntimeError as e:
         raise RuntimeError(f"{e}; for HF generate, pass past_key_values=kvpage.PagedCache(model.config)") from None
-    window = kwargs.get("sliding_window")
-    # A window no sequence outgrows is full causal attention (Mistral's 4096 default, say).
-    if window is not None and context.attn_metadata.max_seq_len > window:
-        raise NotImplementedError(f"kvpage attention has no sliding window: a sequence of"
-                                  f" {context.attn_metadata.max_seq_len} tokens exceeds this layer's {window}")
+    check_sliding_window(kwargs.get("sliding_window"), context.attn_metadata)
     key_cache, value_cache = context.kv_caches[module.layer_idx]
     num_tokens, num_heads, head_size = query.shape[2], query.shape[1], query.shape[3]
     # HF reshapes our output to [1, T, hidden] next: writing the kernel's [T, H, D] result straight
@@ -83,6 +81,14 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     paged_attention_forward(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                             key_cache, value_cache, context.attn_metadata, scale=scaling, out=out[0])
     return _no_backward(out, query, key, value), None
+
+
+def check_sliding_window(window: int | None, metadata: AttentionMetadata) -> None:
+    """A window no sequence outgrows is full causal attention (Mistral's 4096 default, say); past it,
+    NotImplementedError rather than attention over tokens the model would not see."""
+    if window is not None and metadata.max_seq_len > window:
+        raise NotImplementedError(f"kvpage attention has no sliding window: a sequence of"
+                                  f" {metadata.max_seq_len} tokens exceeds this layer's {window}")
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
@@ -122,12 +128,31 @@ def _no_backward(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _padding_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+def padding_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Causality and sequence boundaries come from query_start_loc and seq_lens, so HF must not
     build an O(T^2) mask. What reaches the attention layers is the padding mask as HF got it (None
     under ModelRunner, which passes none): a PagedCache reads from it which tokens of a left-padded
     batch are real, and rejects any mask that is not 2D [batch, past + new] rather than ignore it."""
     return attention_mask
+
+
+@dataclass(frozen=True)
+class HFForward:
+    """The generic forward, for every model kvpage's own (llama.py) does not implement: transformers'
+    modules over the flat batch [1, T], each attention layer calling kvpage_attention_forward, which
+    reads the step's metadata and caches from the forward context."""
+
+    model: torch.nn.Module
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                 kv_caches: list) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the flat batch input_ids / positions [T]."""
+        with set_forward_context(attn_metadata, kv_caches):
+            return self.model.base_model(input_ids=input_ids[None], position_ids=positions[None],
+                                         use_cache=False).last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
 
 
 def head_dim_of(config) -> int:
@@ -150,7 +175,7 @@ def validate_config(config, dtype: torch.dtype) -> None:
 
 def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvpage_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
 
 
 register()

@@ -6,23 +6,19 @@ and attends over the paged cache (see attention.py); logits are computed only fo
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-
-from contextlib import nullcontext
 
 import torch
 
 from kvpage import ops
 from kvpage.core.scheduler_output import logits_rows
 
-from .attention import head_dim_of, validate_config
-from .cpu_layout import has_packed_weights, prepack_linear_weights, round_weights
-from .fast_decoder_layer import install_fast_decoder_layers
-from .fast_rotary import RotarySwap
-from .fused_layers import fuse_small_layers
-from .lean_forward import lean_forward_for
+from .attention import HFForward, head_dim_of, validate_config
+from .cpu_layout import round_weights
+from .llama import LlamaForward, llama_family_mismatch
 from .loader import set_kvpage_attention
-from .metadata import AttentionMetadata, KVCache, set_forward_context
+from .metadata import AttentionMetadata, KVCache
 
 BlockPairs = list[tuple[int, int]]
 
@@ -132,11 +128,42 @@ def num_blocks_for_memory(config, gib: float, block_size: int, dtype: torch.dtyp
     return int(gib * 2**30) // kv_cache_bytes_per_block(config, block_size, dtype)
 
 
-class ModelRunner:
-    """Owns the paged KV cache (device pool, plus a host pool for swapping) and runs steps on a HF model.
+# Models some runner serves: rounding one in place (weight_dtype) would change weights under that runner's
+# forward, whose packed copies keep the unrounded values.
+_SERVED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
-    The model's attention is switched to "kvpage" in place: its forward pass then only works inside
-    a step (the attention layers need the step's block tables).
+
+def check_runner_dtypes(model, dtype: torch.dtype, cache_dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                        matmul_precision: str) -> None:
+    """ValueError naming the argument for a combination of dtypes the runner cannot serve."""
+    device = next(model.parameters()).device
+    check_cache_dtype(cache_dtype, dtype, device)
+    check_weight_dtype(weight_dtype, dtype, device)
+    if weight_dtype is not None and model in _SERVED_MODELS:
+        raise ValueError(f"weight_dtype {weight_dtype}: this model already serves another kvpage runner, under"
+                         f" which rounding its weights in place would change them; pass a freshly loaded model")
+    check_matmul_precision(matmul_precision, dtype, device)
+    validate_config(model.config, dtype)
+    if model.dtype != dtype:
+        # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
+        raise ValueError(f"dtype {dtype} must equal the model's dtype {model.dtype}"
+                         f" (convert the model with model.to({dtype}))")
+
+
+def build_forward(model, weight_dtype: torch.dtype | None, matmul_precision: str) -> LlamaForward | HFForward:
+    """kvpage's own forward where it implements the model's config (llama.py); else transformers'
+    modules with kvpage's attention function."""
+    if llama_family_mismatch(model.config) is None:
+        return LlamaForward.build(model, weight_dtype or torch.float32, bf16_dot=matmul_precision == "medium")
+    return HFForward(model)
+
+
+class ModelRunner:
+    """Owns the paged KV cache (device pool, plus a host pool for swapping) and runs steps on a HF model,
+    through kvpage's own forward for Llama-family models (llama.py), else through the model's modules.
+
+    The model's attention is switched to "kvpage" in place: its own forward then only works inside a
+    step (the attention layers need the step's block tables) or with a kvpage.PagedCache.
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
@@ -149,45 +176,23 @@ class ModelRunner:
         CPU (see KV_CACHE_DTYPES). weight_dtype: None, or bfloat16 / float16 for a float32 model on CPU:
         its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES).
         matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS)."""
-        config = model.config
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
-        check_cache_dtype(self.cache_dtype, self.dtype, next(model.parameters()).device)
-        check_weight_dtype(weight_dtype, self.dtype, next(model.parameters()).device)
-        check_matmul_precision(matmul_precision, self.dtype, next(model.parameters()).device)
-        if weight_dtype is not None and has_packed_weights(model):
-            raise ValueError(f"weight_dtype {weight_dtype}: this model's linears were already packed by another"
-                             f" kvpage runner, from its unrounded weights; pass a freshly loaded model")
-        if matmul_precision != "highest" and has_packed_weights(model):
-            raise ValueError(f"matmul_precision {matmul_precision!r}: this model's linears were already packed by"
-                             f" another kvpage runner; pass a freshly loaded model")
-        self.weight_dtype = weight_dtype or self.dtype
-        self.matmul_precision = matmul_precision
-        validate_config(config, self.dtype)
-        if model.dtype != self.dtype:
-            # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
-            raise ValueError(f"dtype {self.dtype} must equal the model's dtype {model.dtype}"
-                             f" (convert the model with model.to({self.dtype}))")
+        check_runner_dtypes(model, self.dtype, self.cache_dtype, weight_dtype, matmul_precision)
         set_kvpage_attention(model)
-        self.model = model.eval()
-        self.config = config
-        self.block_size = block_size
+        self.model, self.config = model.eval(), model.config
         self.device = next(model.parameters()).device
-        self._rotary = None
-        self._lean = None  # the base model's forward minus HF's Python, where it reproduces it
-        if self.device.type == "cpu":
-            if weight_dtype is not None:
-                round_weights(model, weight_dtype)
-            prepack_linear_weights(model, weight_dtype or torch.float32, bf16_dot=matmul_precision == "medium")
-            fuse_small_layers(model)
-            self._rotary = RotarySwap(model)
-            install_fast_decoder_layers(model)
-            self._lean = lean_forward_for(model)
-        self.num_kv_blocks = num_kv_blocks
-        self.num_host_blocks = num_host_blocks
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = head_dim_of(config)
+        self.weight_dtype, self.matmul_precision = weight_dtype or self.dtype, matmul_precision
+        if weight_dtype is not None:
+            round_weights(model, weight_dtype)
+        self.forward = build_forward(model, weight_dtype, matmul_precision)
+        _SERVED_MODELS.add(model)
+        self.block_size = block_size
+        self.num_kv_blocks, self.num_host_blocks = num_kv_blocks, num_host_blocks
+        self.num_layers = self.config.num_hidden_layers
+        self.num_kv_heads = (num_kv_heads or getattr(self.config, "num_key_value_heads", None)
+                             or self.config.num_attention_heads)
+        self.head_dim = head_dim_of(self.config)
         self.kv_caches: list[KVCache] = self._allocate(num_kv_blocks, self.device)
         self.host_kv_caches: list[KVCache] = self._allocate(num_host_blocks, "cpu") if num_host_blocks else []
         if self.device.type == "cuda" and self.host_kv_caches:
@@ -219,37 +224,27 @@ class ModelRunner:
         if not seqs:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         input_ids, positions, metadata, logit_rows = self._prepare(seqs)
-        hidden = self._forward(input_ids, positions, metadata)
+        hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
         if not logit_rows:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         # Only the rows asked for go through the vocab projection: [num_sampled, vocab], not [T, vocab].
-        rows = hidden[0].index_select(0, torch.tensor(logit_rows, device=self.device))
-        return self.model.get_output_embeddings()(rows).float()
+        rows = hidden.index_select(0, torch.tensor(logit_rows, device=self.device))
+        return self.forward.compute_logits(rows).float()
 
     @torch.inference_mode()
     def execute_prepared(self, blocks: ModelInput, input_ids: torch.Tensor, positions: torch.Tensor,
                          metadata: AttentionMetadata | None, sample_rows: torch.Tensor) -> torch.Tensor | None:
         """execute() for a step whose flat batch is already built: tensor-parallel ranks unpack it from the
         driver's broadcast (kvpage.distributed.protocol). blocks: only its swap / copy pairs are read.
-        Returns the LM head's output for sample_rows ([R, vocab] float32; a sharded head's rank-local
-        part on ranks other than 0), or None when nothing is sampled."""
+        input_ids / positions: [T] (or [1, T]). Returns the LM head's output for sample_rows ([R, vocab]
+        float32; a sharded head's rank-local part on ranks other than 0), or None when nothing is sampled."""
         self._move_blocks(blocks)
         if metadata is None:
             return None
-        hidden = self._forward(input_ids, positions, metadata)
+        hidden = self.forward(input_ids.reshape(-1), positions.reshape(-1), metadata, self.kv_caches)
         if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
             return None
-        return self.model.get_output_embeddings()(hidden[0].index_select(0, sample_rows)).float()
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """The base model over the flat batch: hidden states [1, T, hidden]."""
-        if self._lean is not None:  # the layer ops do their own rotary: no module swap needed
-            with set_forward_context(metadata, self.kv_caches) as context:
-                return self._lean(input_ids, positions, context)
-        rotary = self._rotary.active() if self._rotary is not None else nullcontext()
-        with set_forward_context(metadata, self.kv_caches), rotary:
-            return self.model.base_model(input_ids=input_ids, position_ids=positions,
-                                         use_cache=False).last_hidden_state
+        return self.forward.compute_logits(hidden.index_select(0, sample_rows)).float()
 
     def _move_blocks(self, batch: ModelInput) -> None:
         """Swap out, then in (a block freed by a swap-out may be reused this step), then copy-on-write."""
@@ -266,7 +261,7 @@ class ModelRunner:
             ops.copy_blocks(list(keys), list(values), batch.blocks_to_copy)
 
     def _prepare(self, seqs: list[SequenceInput]):
-        """Flatten the step into input_ids/positions [1, T] and the attention metadata."""
+        """Flatten the step into input_ids/positions [T] and the attention metadata."""
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -286,8 +281,8 @@ class ModelRunner:
             block_tables.append(seq.block_table)
         device = self.device
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, device)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device).unsqueeze(0)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
         return input_ids, position_ids, metadata, logits_rows(seqs)
 
 

@@ -197,7 +197,11 @@ class RowParallelLinear(nn.Module):
         return self.local.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(self.local(x), self.group)
+        return self.reduce(self.local(x))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's x_local @ W[:, cols].T (however it was computed)."""
+        y = _all_reduce(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -233,7 +237,10 @@ class ParallelLMHead(nn.Module):
         return self.local.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = self.local(x)
+        return self.gather(self.local(x))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full logits on rank 0 from each rank's x @ W_local.T (+ b_local); the local slice elsewhere."""
         width = max(self.sizes)  # gather needs equal shapes: pad an uneven slice, trim after
         if local.shape[-1] < width:
             local = F.pad(local, (0, width - local.shape[-1]))
