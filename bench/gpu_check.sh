@@ -112,6 +112,10 @@ if [[ -d tests/ops ]]; then
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 0 || $rc -eq 5 ]] || { echo "gpu_check: tests/ops -k cuda FAILED" >&2; note "tests/ops -k cuda: FAILED rc=$rc"; status=1; }
 fi
+# Decode steps replayed from a CUDA graph give the eager step's hidden states (kvpage.model.cuda_graphs).
+timeout "$(timeout_for 60 90)" "$PY" -m pytest -q -rfE -p no:cacheprovider tests/model/test_cuda_graphs.py 2>&1 | tail -8
+rc=${PIPESTATUS[0]}
+[[ $rc -eq 0 ]] || { echo "gpu_check: CUDA graph tests FAILED" >&2; note "tests/model/test_cuda_graphs.py: FAILED rc=$rc"; status=1; }
 
 phase "GPU benchmark (JSON rewritten after every row: $RESULTS/kernels_cuda.json)"
 T="$(timeout_for 240 "$((SANITIZE == 1 ? 30 : 5))")"

@@ -84,7 +84,8 @@ def _llm(args):
           file=sys.stderr, flush=True)
     import kvpage
     return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
-                      weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision)
+                      weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
+                      enforce_eager=args.enforce_eager)
 
 
 def cmd_generate(args) -> None:
@@ -162,6 +163,8 @@ def _add_engine_flags(p) -> None:
     p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
                    help="medium: the linear layers compute with bf16 dot products where the CPU has"
                    " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (GPU only; the CPU always runs eagerly)")
 
 
 def _add_sampling_flags(p, max_tokens: int) -> None:

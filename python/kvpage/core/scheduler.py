@@ -178,8 +178,7 @@ class Scheduler:
         """Back to the state before schedule(): fields, touched requests, then the pools from the tables."""
         with deferred_interrupts():
             snapshot, self._snapshot, self._pending = self._snapshot, None, None
-            for name, value in snapshot.state.items():
-                setattr(self, name, value)  # the snapshot's own copies: it is discarded here
+            vars(self).update(snapshot.state)  # the snapshot's own copies: it is discarded here
             snapshot.restore_requests()
             self.bm.restore_counters(snapshot.manager_counters)
             self.bm.undo_step_indexing()

@@ -35,7 +35,8 @@ class LLM:
                  max_num_seqs: int | None = None, preemption_mode: str | None = None,
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
-                 matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None) -> None:
+                 matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -49,6 +50,8 @@ class LLM:
         twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical).
         max_logprobs (vLLM's): the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
         max_model_len (vLLM's): the context limit (prompt + output), at most the model's own; None: the model's.
+        enforce_eager (vLLM's): no CUDA graphs; on a GPU, decode steps of kvpage's own forward otherwise
+        replay a graph captured per batch-size bucket (kvpage.model.cuda_graphs).
         Calls from several threads are safe: they run one at a time."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
@@ -64,6 +67,8 @@ class LLM:
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         _check_optional_positive("max_model_len", max_model_len)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         seed = resolve_seed(seed)
@@ -71,6 +76,7 @@ class LLM:
         tokenizer = resolve_tokenizer(tokenizer)
         from kvpage.model import (ModelRunner, kv_cache_dtype_from_name, load_model,  # torch: when an LLM is built
                                   weight_dtype_from_name)
+        from kvpage.model.cuda_graphs import CudaGraphConfig
         from kvpage.model.runner import MATMUL_PRECISIONS, check_cache_dtype, check_matmul_precision, check_weight_dtype
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
@@ -84,6 +90,8 @@ class LLM:
         check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         config = self.model.config
+        context_limit = _context_limit(config, max_model_len)
+        max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.tensor_parallel_size = tensor_parallel_size
         swap_gib = 0.0
         if preemption_mode != "recompute":
@@ -98,15 +106,15 @@ class LLM:
             num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
             num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
             self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
+            graphs = None if enforce_eager or context_limit is None else CudaGraphConfig(max_num_seqs, context_limit)
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
                                       kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage,
-                                      matmul_precision=matmul_precision)
+                                      matmul_precision=matmul_precision, cuda_graphs=graphs)
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_model_len=_context_limit(config, max_model_len), preemption_mode=preemption_mode,
+            max_num_seqs=max_num_seqs, max_model_len=context_limit, preemption_mode=preemption_mode,
             eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,

@@ -16,6 +16,7 @@ from kvpage.core.scheduler_output import logits_rows
 
 from .attention import HFForward, head_dim_of, validate_config
 from .cpu_layout import round_weights
+from .cuda_graphs import CudaGraphConfig, DecodeGraphs
 from .llama import LlamaForward, llama_family_mismatch
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache
@@ -169,13 +170,14 @@ class ModelRunner:
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
                  num_host_blocks: int = 0, num_kv_heads: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest") -> None:
+                 matmul_precision: str = "highest", cuda_graphs: CudaGraphConfig | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
         model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
         CPU (see KV_CACHE_DTYPES). weight_dtype: None, or bfloat16 / float16 for a float32 model on CPU:
         its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES).
-        matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS)."""
+        matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS).
+        cuda_graphs: where decode steps replay CUDA graphs (a GPU, kvpage's own forward); None: eager."""
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
         check_runner_dtypes(model, self.dtype, self.cache_dtype, weight_dtype, matmul_precision)
@@ -198,6 +200,15 @@ class ModelRunner:
         if self.device.type == "cuda" and self.host_kv_caches:
             # Pinned host memory lets swaps run as asynchronous DMA instead of pageable copies.
             self.host_kv_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv_caches]
+        self.graphs = self._decode_graphs(cuda_graphs)
+
+    def _decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
+        """Graphs need a GPU and one static forward: kvpage's own, without Mistral's window check."""
+        if (config is None or self.device.type != "cuda" or not isinstance(self.forward, LlamaForward)
+                or self.forward.sliding_window is not None):
+            return None
+        return DecodeGraphs(self.forward, self.kv_caches, config.max_num_seqs, config.max_model_len,
+                            self.block_size, self.device)
 
     def _allocate(self, num_blocks: int, device) -> list[KVCache]:
         return [ops.allocate_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -224,7 +235,10 @@ class ModelRunner:
         if not seqs:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         input_ids, positions, metadata, logit_rows = self._prepare(seqs)
-        hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
+        if self.graphs is not None and self.graphs.fits(metadata):
+            hidden = self.graphs(input_ids, positions, metadata)
+        else:
+            hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
         if not logit_rows:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         # Only the rows asked for go through the vocab projection: [num_sampled, vocab], not [T, vocab].

@@ -36,6 +36,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: 1 GiB on CPU)")
     p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto")
     p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU only)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -60,7 +61,8 @@ def run_server(args) -> None:
                      max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                      tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                      kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
-                     matmul_precision=args.matmul_precision, max_model_len=args.max_model_len)
+                     matmul_precision=args.matmul_precision, max_model_len=args.max_model_len,
+                     enforce_eager=args.enforce_eager)
     try:
         app = build_app(llm, model_name(args), api_key=args.api_key,
                         max_waiting_requests=args.max_waiting_requests)
