@@ -17,7 +17,7 @@ that commit a request or a step run with Ctrl-C deferred (interrupts.py).
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -284,22 +284,10 @@ class Scheduler:
         out.blocks_to_copy.extend(self.bm.append_slots(seq, n))
         self._record(request, seq, n, out, budget)
 
-    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
-        """Exactly what append_slots will draw for `plan`: growth, plus a copy per writer of a shared
-        block except the last one, which by then holds it alone."""
-        bs, refs = self.bm.block_size, self.bm.device.ref_counts
-        grow, writers = 0, Counter()
-        for seq, n in plan:
-            start, table = seq.num_computed_tokens, seq.block_table
-            last = (start + n - 1) // bs
-            grow += max(0, last + 1 - len(table))
-            writers.update(table[i] for i in range(start // bs, min(len(table), last + 1)))
-        return grow + sum(w - (refs[b] == w) for b, w in writers.items())
-
     def _make_room(self, request: Request, plan: list[tuple[Sequence, int]], out: SchedulerOutput,
                    preempt_self: bool, may_preempt: bool = True) -> bool:
         """Preempt victims until `plan` fits; False (after preempting `request` if allowed) if it cannot."""
-        while self._blocks_needed(plan) > self.bm.num_free_blocks:
+        while self.bm.num_blocks_to_append(plan) > self.bm.num_free_blocks:
             if not may_preempt:
                 return False
             candidates = [r for r in self.running if r is not request and r.request_id not in self._scheduled]
