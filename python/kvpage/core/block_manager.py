@@ -101,7 +101,7 @@ class BlockManager:
         """Give a waiting sequence blocks for its cached prefix plus the next `num_new_tokens` tokens.
 
         `num_new_tokens` counts tokens past the cached prefix to compute this step (None: all the
-        rest). Only those get blocks now; later chunks and decode grow the table via append_slots.
+        rest; 0, where there are hits: the cached prefix only). Only those get blocks now; later chunks and decode grow the table via append_slots.
         Sets and returns seq.num_computed_tokens, the number of prefix-cache hit tokens.
         """
         if seq.block_table or seq.swapped:
@@ -178,9 +178,10 @@ class BlockManager:
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
             num_new_tokens = remaining
-        elif not 1 <= num_new_tokens <= remaining:
-            raise ValueError(f"num_new_tokens must be in [1, {remaining}] for seq {seq.seq_id},"
-                             f" got {num_new_tokens}")
+        elif not (1 if not hits else 0) <= num_new_tokens <= remaining:
+            # 0: only the cached prefix (a beam whose last token waits for its siblings' decode step).
+            raise ValueError(f"num_new_tokens must be in [{1 if not hits else 0}, {remaining}] for seq"
+                             f" {seq.seq_id}, got {num_new_tokens}")
         new_blocks = num_blocks_for(num_cached + num_new_tokens, self.block_size) - len(hits)
         refs = self.device.ref_counts
         return new_blocks, sum(1 for b in hits if refs[b] == 0)
