@@ -8,10 +8,13 @@ the beams, which must equal those of a plain simulation over token lists (`expec
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from fake_runner import VOCAB, FakeRunner, assert_pool_whole, check_output, expected_outputs, sample
 from kvpage.core import BeamStep, BlockManager, Scheduler, check_block_manager
+from test_scheduler_transaction import Faults, Injected
 
 
 def _children(contexts: list[list[int]], k: int) -> list[tuple[int, int]]:
@@ -31,9 +34,10 @@ def expected_beams(prompt: list[int], k: int, max_tokens: int) -> list[list[int]
     return [b[len(prompt):] for b in beams]
 
 
-def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int) -> tuple[dict, list]:
+def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: Faults | None = None) -> tuple[dict, list]:
     """Run (request_id, prompt, beam_width or 1) requests to the end; returns the outputs (beam
-    requests: their last beams) and every step's SchedulerOutput."""
+    requests: their last beams) and every step's SchedulerOutput. With `faults`, schedule() and
+    update_from_output() may raise inside the block manager; the step is then simply not taken."""
     runner = FakeRunner(scheduler.bm.block_size)
     beam_width = {}
     for rid, prompt, k in requests:
@@ -43,7 +47,11 @@ def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int) -> tuple
     seqs_of = {rid: scheduler.requests[rid].seqs for rid, _, _ in requests}
     while scheduler.has_unfinished_requests():
         assert len(steps) < 1000, "the workload did not finish"
-        out = scheduler.schedule()
+        try:
+            out = _armed(faults, scheduler.schedule)
+        except Injected:
+            assert scheduler.pending is None
+            continue
         check_output(scheduler, out)
         steps.append(out)
         sampled = runner.execute(out, lambda seq_id: scheduler._seqs[seq_id].token_ids)
@@ -58,12 +66,25 @@ def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int) -> tuple
                 beams[rid] = BeamStep(finish_reason="length")
             else:
                 beams[rid] = BeamStep(tuple(children))
-        scheduler.update_from_output(out, sampled, beams)
+        try:
+            _armed(faults, scheduler.update_from_output, out, sampled, beams)
+        except Injected:
+            assert scheduler.pending is None
         check_block_manager(scheduler.bm, [s for r in scheduler.requests.values() for s in r.live_seqs()])
     for rid, _, k in requests:
         if k == 1:
             outputs[rid] = [seq.output_token_ids for seq in seqs_of[rid]]
     return outputs, steps
+
+
+def _armed(faults: Faults | None, fn, *args):
+    if faults is None:
+        return fn(*args)
+    faults.armed = True
+    try:
+        return fn(*args)
+    finally:
+        faults.armed = False
 
 
 PROMPTS = [[(7 * i + j) % VOCAB for j in range(13 + 5 * i)] for i in range(6)]
@@ -94,6 +115,22 @@ def test_beam_requests_share_steps_with_sampling_and_keep_their_beams(num_blocks
     if mode is not None:  # beam groups preempted mid-search, whole
         assert any(rid.startswith("beam") for out in steps for rid in out.preempted)
     assert not scheduler.has_unfinished_requests()
+    assert_pool_whole(bm)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_faults_in_the_bookkeeping_never_change_a_beam(seed):
+    """Steps are transactions for beam requests too: forks, frees and the beams the selection drops."""
+    mode = ("recompute", "swap")[seed % 2]
+    bm = BlockManager(48, block_size=4, num_host_blocks=200 if mode == "swap" else 0, watermark=0.0)
+    scheduler = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=16, preemption_mode=mode)
+    requests = [("s0", PROMPTS[1], 1), ("beam2", PROMPTS[5], 2), ("beam1", SHARED + PROMPTS[2], 3),
+                ("beam0", SHARED + PROMPTS[0], 4)]
+    faults = Faults(bm, random.Random(seed), 0.01)  # per call: a beam step makes dozens (a fork increfs each block)
+    outputs, _ = drive(scheduler, requests, 7, faults)
+    for rid, prompt, k in requests:
+        assert outputs[rid] == (expected_beams(prompt, k, 7) if k > 1 else expected_outputs(prompt, 7, eos=None)), rid
+    assert faults.fired > 0
     assert_pool_whole(bm)
 
 
