@@ -32,6 +32,7 @@ SCRIPTS = {
     "kv_cache_dtype": (["bench/kv_cache_dtype.py", "--quick", "--model", TINY], "kv_cache_dtype_quick.json"),
     "llamacpp": (["bench/llamacpp.py", "--quick", "--model", TINY], "llamacpp_quick.json"),
     "full_prefix_hit": (["bench/full_prefix_hit.py", "--quick", "--model", TINY], "full_prefix_hit_quick.json"),
+    "beam_search": (["bench/beam_search.py", "--quick", "--model", TINY], "beam_search_quick.json"),
     "profile_engine": (["bench/profile_engine.py", "--quick", "--model", TINY], None),
     "mathlab_chunked_prefill": (["bench/mathlab/chunked_prefill.py", "--quick", "--model", TINY],
                                 "mathlab/chunked_prefill_quick.json"),

@@ -87,3 +87,20 @@ def test_fork_rejects_a_child_that_disagrees_on_computed_tokens(prefill):
     with pytest.raises(ValueError, match="agree"):
         bm.fork(parent, Sequence(1, [9, 9, 9, 9, 9, 9]))
     check_block_manager(bm, [parent])
+
+
+@pytest.mark.parametrize("num_forks,prompt_len,chunk", [(3, 40, 1), (4, 32, 1), (2, 40, 20), (1, 40, 1)])
+def test_num_blocks_to_append_of_a_plan_is_what_append_slots_draws(prefill, fork, num_forks, prompt_len, chunk):
+    # Several writers of one shared block in one plan: each copies it but the last, which holds it alone.
+    bm = BlockManager(64, block_size=16)
+    parent = prefill(bm, 0, range(prompt_len))
+    seqs = [parent] + [fork(bm, parent, i + 1) for i in range(num_forks)]
+    for seq in seqs:
+        seq.token_ids += [7] * chunk
+    plan = [(seq, chunk) for seq in seqs]
+    expected = bm.num_blocks_to_append(plan)
+    free = bm.num_free_blocks
+    for seq, n in plan:
+        bm.append_slots(seq, n)
+    assert free - bm.num_free_blocks == expected
+    check_block_manager(bm, seqs)

@@ -7,7 +7,7 @@ from decimal import Decimal, localcontext
 import pytest
 import torch
 
-from engine_helpers import PROMPTS
+from engine_helpers import PROMPTS, make_llm
 from kvpage import SamplingParams
 from kvpage.engine.beam_search import length_normalised
 
@@ -79,3 +79,42 @@ def test_beam_search_runs_with_any_finite_length_penalty(llm, hf_model, length_p
             expected = logp.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).sum().item()
             assert math.isclose(c.cumulative_logprob, expected, abs_tol=1e-3), (prompt, c)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def _beams(outputs):
+    return [[(c.token_ids, c.finish_reason) for c in out.outputs] for out in outputs]
+
+
+def test_beam_requests_run_in_the_same_steps_as_sampling_requests(llm):
+    beam = SamplingParams(beam_width=3, max_tokens=6)
+    sampling = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    engine = llm.llm_engine
+    alone = llm.generate(BEAM_PROMPTS[:2], beam, use_tqdm=False)
+    # Through LLMEngine.add_request too: a beam request reports once, finished, its beams best first.
+    for i, prompt in enumerate(BEAM_PROMPTS[:2]):
+        engine.add_request(f"beam{i}", prompt, beam)
+    for i, prompt in enumerate(PROMPTS[5:9]):
+        engine.add_request(f"sample{i}", prompt, sampling)
+    done, mixed_steps = {}, 0
+    while engine.has_unfinished_requests():
+        step_outputs = engine.step()
+        mixed_steps += 1
+        assert all(o.finished for o in step_outputs if o.request_id.startswith("beam"))
+        done.update({o.request_id: o for o in step_outputs if o.finished})
+    assert _beams([done["beam0"], done["beam1"]]) == _beams(alone)
+    # One prompt step, then 6 decode steps shared by all: nothing runs one beam request after another.
+    assert mixed_steps <= 8, mixed_steps
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_beam_groups_preempted_by_recompute_or_swap_keep_their_beams(llm):
+    beam = SamplingParams(beam_width=4, max_tokens=8)
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS[5:9] + BEAM_PROMPTS
+    params = [sampling] * 4 + [beam] * len(BEAM_PROMPTS)
+    want = _beams(llm.generate(BEAM_PROMPTS, beam, use_tqdm=False))
+    for mode in ("recompute", "swap"):
+        small = make_llm(llm, num_kv_blocks=40, block_size=4, preemption_mode=mode, swap_space_gib=0.05)
+        assert _beams(small.generate(prompts, params, use_tqdm=False)[4:]) == want, mode
+        stats = small.stats()
+        assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0, stats

@@ -21,10 +21,11 @@ from .preemption_cost import MeasuredCostModel, PreemptionCostModel, cost_model_
 from .policies import LeastProgressLost, MostRecentlyAdmitted, VictimPolicy, get_policy  # noqa: E402
 from .request import FinishReason, Request, RequestStatus  # noqa: E402
 from .scheduler import Scheduler, SchedulerConfig, SchedulerStats  # noqa: E402
-from .scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from .scheduler_output import BeamStep, ScheduledSequence, SchedulerOutput  # noqa: E402
 
 __all__ += [
-    "FinishReason", "LeastProgressLost", "MeasuredCostModel", "MostRecentlyAdmitted", "PreemptionCostModel", "Request",
+    "BeamStep", "FinishReason", "LeastProgressLost", "MeasuredCostModel", "MostRecentlyAdmitted", "PreemptionCostModel",
+    "Request",
     "RequestStatus", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
     "VictimPolicy", "cost_model_from_measurements", "get_policy",
 ]

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Iterable
 
 from . import hashing
 from .block_moves import BlockMapping, move_tables, num_unique_blocks, on_device, on_host
 from .block_pool import BlockPool
-from .block_table import num_blocks_for, slot_mapping
+from .block_table import blocks_to_append, num_blocks_for, slot_mapping
 from .hashing import ROOT_HASH
 from .prefix_cache import BlockKey
 from .sequence import Sequence, SequenceLike, as_seqs
@@ -100,7 +101,7 @@ class BlockManager:
         """Give a waiting sequence blocks for its cached prefix plus the next `num_new_tokens` tokens.
 
         `num_new_tokens` counts tokens past the cached prefix to compute this step (None: all the
-        rest). Only those get blocks now; later chunks and decode grow the table via append_slots.
+        rest; 0, where there are hits: the cached prefix only). Only those get blocks now; later chunks and decode grow the table via append_slots.
         Sets and returns seq.num_computed_tokens, the number of prefix-cache hit tokens.
         """
         if seq.block_table or seq.swapped:
@@ -177,24 +178,22 @@ class BlockManager:
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
             num_new_tokens = remaining
-        elif not 1 <= num_new_tokens <= remaining:
-            raise ValueError(f"num_new_tokens must be in [1, {remaining}] for seq {seq.seq_id},"
-                             f" got {num_new_tokens}")
+        elif not (1 if not hits else 0) <= num_new_tokens <= remaining:
+            # 0: only the cached prefix (a beam whose last token waits for its siblings' decode step).
+            raise ValueError(f"num_new_tokens must be in [{1 if not hits else 0}, {remaining}] for seq"
+                             f" {seq.seq_id}, got {num_new_tokens}")
         new_blocks = num_blocks_for(num_cached + num_new_tokens, self.block_size) - len(hits)
         refs = self.device.ref_counts
         return new_blocks, sum(1 for b in hits if refs[b] == 0)
 
     # -- running sequences ---------------------------------------------------------------------
 
-    def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
-        """Blocks append_slots would draw: table growth plus copy-on-write replacements."""
-        start = seq.num_computed_tokens
-        last = (start + num_new_tokens - 1) // self.block_size
-        table = seq.block_table
-        refs = self.device.ref_counts
-        shared = sum(1 for i in range(start // self.block_size, min(len(table), last + 1))
-                     if refs[table[i]] > 1)
-        return max(0, last + 1 - len(table)) + shared
+    def num_blocks_to_append(self, plan: Iterable[tuple[Sequence, int]]) -> int:
+        """Blocks append_slots draws for every (seq, num_new_tokens) of `plan`, called in that order:
+        table growth plus copy-on-write replacements (several writers of one shared block each copy
+        it but the last, which by then holds it alone)."""
+        return blocks_to_append(((seq.block_table, seq.num_computed_tokens, n) for seq, n in plan),
+                                self.device.ref_counts, self.block_size)
 
     def can_append_slots(self, seqs: SequenceLike, num_new_tokens: int = 1) -> bool:
         """Whether every given sequence can take `num_new_tokens` more tokens this step.
@@ -202,8 +201,8 @@ class BlockManager:
         No watermark here: the watermark is the reserve admission leaves precisely so that running
         sequences can spend it instead of being preempted.
         """
-        need = sum(self.num_blocks_to_append(seq, num_new_tokens) for seq in as_seqs(seqs))
-        return need <= self.device.num_free_blocks
+        plan = [(seq, num_new_tokens) for seq in as_seqs(seqs)]
+        return self.num_blocks_to_append(plan) <= self.device.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> BlockMapping:
         """Make slots for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
@@ -224,11 +223,12 @@ class BlockManager:
         if first == last < len(table) and refs[table[first]] == 1:
             return []
         pool = self.device
+        needed = self.num_blocks_to_append([(seq, num_new_tokens)])
+        if needed > pool.num_free_blocks:
+            raise RuntimeError(f"cannot append {num_new_tokens} tokens to seq {seq.seq_id}: needs"
+                               f" {needed} blocks, {pool.num_free_blocks} free")
         shared = [i for i in range(first, min(len(table), last + 1)) if refs[table[i]] > 1]
         grow = max(0, last + 1 - len(table))
-        if grow + len(shared) > pool.num_free_blocks:
-            raise RuntimeError(f"cannot append {num_new_tokens} tokens to seq {seq.seq_id}: needs"
-                               f" {grow + len(shared)} blocks, {pool.num_free_blocks} free")
         copies: BlockMapping = []
         for i in shared:
             src, dst = table[i], pool.allocate()

@@ -1,6 +1,9 @@
 """Arithmetic on block tables (logical block i of a sequence -> physical block id)."""
 from __future__ import annotations
 
+from collections import Counter
+from typing import Iterable, Sequence
+
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` slots: a new block only once the last one is full."""
@@ -25,3 +28,16 @@ def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) 
         slots.extend(range(base + offset, base + offset + stop - pos))
         pos = stop
     return slots
+
+
+def blocks_to_append(plan: Iterable[tuple[list[int], int, int]], ref_counts: Sequence[int], block_size: int) -> int:
+    """Blocks that appending to several tables draws: plan holds (block_table, start, num_new_tokens),
+    tokens [start, start + num_new_tokens) to be written. Each table grows to hold them, and each
+    writer of a block other tables point at too gets a private copy first (copy-on-write), except
+    the last writer of a block, which by then holds it alone (BlockManager.append_slots, RowTables)."""
+    grow, writers = 0, Counter()
+    for table, start, n in plan:
+        last = (start + n - 1) // block_size
+        grow += max(0, last + 1 - len(table))
+        writers.update(table[i] for i in range(start // block_size, min(len(table), last + 1)))
+    return grow + sum(w - (ref_counts[b] == w) for b, w in writers.items())

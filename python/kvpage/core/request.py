@@ -45,6 +45,9 @@ class Request:
     group: SequenceGroup
     max_tokens: int
     n: int = 1
+    # > 1: beam search. The engine's beam selection picks the next beams after each step the beams
+    # all sample in (Scheduler.update_from_output's `beams`), and decides when the request ends.
+    beam_width: int = 1
     eos_token_id: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
@@ -99,6 +102,15 @@ class Request:
     def num_tokens_left(self) -> int:
         """Output tokens still to generate, at most, over the live sequences."""
         return sum(self.max_tokens - len(seq.output_token_ids) for seq in self.live_seqs())
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    def holds_back_last_token(self, seq: Sequence) -> bool:
+        """A beam that already has output tokens leaves its last token to a decode step: the beams'
+        logits must all come back in one step for the selection, also after a recompute."""
+        return self.beam_width > 1 and seq.num_tokens > seq.num_prompt_tokens
 
     @property
     def needs_fork(self) -> bool:

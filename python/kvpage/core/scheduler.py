@@ -17,7 +17,7 @@ that commit a request or a step run with Ctrl-C deferred (interrupts.py).
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -27,7 +27,7 @@ from .interrupts import deferred_interrupts
 from .policies import get_policy
 from .request import FinishReason, Request, RequestStatus
 from .scheduler_config import SchedulerConfig, SchedulerStats, check_max_model_len
-from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .scheduler_output import BeamStep, ScheduledSequence, SchedulerOutput
 from .sequence import Sequence, SequenceGroup
 from .transaction import SchedulerSnapshot
 
@@ -74,22 +74,27 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: Iterable[int], *, max_tokens: int = 16, n: int = 1,
                     eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
-                    ignore_eos: bool = False, extra_keys: tuple = (), prompt_logits: bool = False) -> Request:
+                    ignore_eos: bool = False, extra_keys: tuple = (), prompt_logits: bool = False,
+                    beam_width: int = 1) -> Request:
         """Queue a request, or raise ValueError naming it if it could never run (nothing is queued then).
         prompt_logits: each prompt position's logits (but the last's, which samples) come back once, in
         some step's prompt_logit_positions (prompt_logprobs); the prompt is then not read from the prefix
-        cache, as in vLLM, though its blocks are cached for others."""
+        cache, as in vLLM, though its blocks are cached for others. beam_width > 1: beam search (see
+        Request.beam_width); update_from_output then takes the beams' selection instead of sampled tokens."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        for name, value in (("max_tokens", max_tokens), ("n", n)):
+        for name, value in (("max_tokens", max_tokens), ("n", n), ("beam_width", beam_width)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"request {request_id!r}: {name} must be a positive int, got {value!r}")
         seq = Sequence(self._next_seq_id, list(prompt_token_ids), extra_keys)
         if not all(isinstance(t, int) and t >= 0 for t in seq.token_ids):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative ints")
-        self._check_fits(request_id, seq.num_tokens, max_tokens, n)
+        if n > 1 and beam_width > 1:
+            raise ValueError(f"request {request_id!r}: n={n} with beam_width={beam_width}; beam search returns"
+                             " beam_width beams")
+        self._check_fits(request_id, seq.num_tokens, max_tokens, max(n, beam_width))
         self._next_seq_id += 1
-        request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, eos_token_id,
+        request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, beam_width, eos_token_id,
                           frozenset(stop_token_ids), ignore_eos, arrival_order=self._next_arrival,
                           arrival_step=self.step, wants_prompt_logits=bool(prompt_logits))
         with deferred_interrupts():  # registered in all three places or in none
@@ -203,12 +208,20 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            seqs = [s for s in request.live_seqs() if s.block_table and s.num_uncomputed_tokens == 1]
+            seqs = self._decode_seqs(request)
             if not seqs or not budget.fits(len(seqs), len(seqs)):
                 continue
             if self._make_room(request, [(s, 1) for s in seqs], out, preempt_self=True):
                 for seq in seqs:
                     self._append(request, seq, 1, out, budget)
+
+    @staticmethod
+    def _decode_seqs(request: Request) -> list[Sequence]:
+        """The sequences with one token left to compute. A beam request's decode together, once every
+        beam has computed all but its last token (after a recompute, say), or not at all."""
+        live = request.live_seqs()
+        seqs = [s for s in live if s.block_table and s.num_uncomputed_tokens == 1]
+        return [] if request.is_beam_search and len(seqs) < len(live) else seqs
 
     def _schedule_running_prefills(self, out: SchedulerOutput, budget: _Budget) -> None:
         for request in list(self.running):
@@ -226,8 +239,8 @@ class Scheduler:
             if not seq.block_table:
                 if not self._allocate(request, seq, out, budget):
                     return
-            elif seq.num_uncomputed_tokens > 1:
-                n = min(seq.num_uncomputed_tokens, budget.tokens)
+            elif seq.num_uncomputed_tokens > 1 + request.holds_back_last_token(seq):
+                n = min(seq.num_uncomputed_tokens - request.holds_back_last_token(seq), budget.tokens)
                 # Never preempt yourself to continue a prefill: the decodes already taken this step
                 # are newer work, and the request would just come back to the same spot.
                 if not self._make_room(request, [(seq, n)], out, preempt_self=False, may_preempt=may_preempt):
@@ -243,7 +256,7 @@ class Scheduler:
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.bm.swap_in(seqs))
             self._to_running(request)
-            decodes = [s for s in seqs if s.block_table and s.num_uncomputed_tokens == 1]
+            decodes = self._decode_seqs(request)
             if self._make_room(request, [(s, 1) for s in decodes], out, preempt_self=False, may_preempt=False):
                 for seq in decodes:
                     self._append(request, seq, 1, out, budget)
@@ -270,35 +283,24 @@ class Scheduler:
         """Admit a block-less sequence with a chunk of the budget, past its prefix-cache hits."""
         use_cache = not request.prompt_logits_pending
         hit = self.bm.lookup_prefix(seq, use_cache)
-        n = min(seq.num_tokens - hit, budget.tokens)
+        n = min(seq.num_tokens - request.holds_back_last_token(seq) - hit, budget.tokens)
         if not self.bm.can_allocate(seq, n, use_cache):
             return False
         cached = self.bm.allocate(seq, n, use_cache)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = cached
-        self._record(request, seq, n, out, budget)
+        if n:  # 0: a beam whose cached prefix is all it lacks but its last token (the next decode's)
+            self._record(request, seq, n, out, budget)
         return True
 
     def _append(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         out.blocks_to_copy.extend(self.bm.append_slots(seq, n))
         self._record(request, seq, n, out, budget)
 
-    def _blocks_needed(self, plan: list[tuple[Sequence, int]]) -> int:
-        """Exactly what append_slots will draw for `plan`: growth, plus a copy per writer of a shared
-        block except the last one, which by then holds it alone."""
-        bs, refs = self.bm.block_size, self.bm.device.ref_counts
-        grow, writers = 0, Counter()
-        for seq, n in plan:
-            start, table = seq.num_computed_tokens, seq.block_table
-            last = (start + n - 1) // bs
-            grow += max(0, last + 1 - len(table))
-            writers.update(table[i] for i in range(start // bs, min(len(table), last + 1)))
-        return grow + sum(w - (refs[b] == w) for b, w in writers.items())
-
     def _make_room(self, request: Request, plan: list[tuple[Sequence, int]], out: SchedulerOutput,
                    preempt_self: bool, may_preempt: bool = True) -> bool:
         """Preempt victims until `plan` fits; False (after preempting `request` if allowed) if it cannot."""
-        while self._blocks_needed(plan) > self.bm.num_free_blocks:
+        while self.bm.num_blocks_to_append(plan) > self.bm.num_free_blocks:
             if not may_preempt:
                 return False
             candidates = [r for r in self.running if r is not request and r.request_id not in self._scheduled]
@@ -366,37 +368,91 @@ class Scheduler:
 
     # -- after the step ------------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int | list[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int | list[int]],
+                           beams: Mapping[str, BeamStep] | None = None) -> list[Request]:
         """Record the step `out` described: its tokens are computed, and each sampling sequence gets
-        its sampled token(s) (a list of num_samples where that is > 1). Returns requests that finished."""
+        its sampled token(s) (a list of num_samples where that is > 1); each beam request whose beams
+        sampled gets its selection in `beams` instead (by request id). Returns requests that finished."""
         if out is not self._pending:
             raise ValueError("update_from_output expects the SchedulerOutput of the latest schedule()")
         # Aborted after schedule(): its blocks are already free, and nothing it sampled matters.
         live = [(s, self.requests[s.request_id]) for s in out.scheduled
                 if s.request_id in self.requests and s.seq_id not in self.requests[s.request_id].finish_reasons]
-        tokens = {s.seq_id: self._sampled_tokens(s, sampled) for s, _ in live if s.do_sample}  # check all first
+        # Check all first.
+        tokens = {s.seq_id: self._sampled_tokens(s, sampled) for s, r in live if s.do_sample and not r.is_beam_search}
+        selections = self._beam_steps(live, beams or {})
         try:
             with deferred_interrupts():
-                finished = self._commit(live, tokens)
+                finished = self._commit(live, tokens, selections)
                 self._pending = self._snapshot = None
         except Exception:
             self._recover_after_run(out)
             raise
         return finished
 
-    def _commit(self, live, tokens: dict[int, list[int]]) -> list[Request]:
+    def _commit(self, live, tokens: dict[int, list[int]], selections: list[tuple[Request, BeamStep]]) -> list[Request]:
         finished = []
         for s, request in live:
             seq = self._seqs[s.seq_id]
             self.bm.mark_computed(seq, s.num_scheduled_tokens)
             if s.prompt_logit_positions:
                 request.num_prompt_logits_done = max(request.num_prompt_logits_done, s.prompt_logit_positions.stop)
-            if s.do_sample:
+            if s.do_sample and not request.is_beam_search:
                 self._append_sampled(request, seq, tokens[s.seq_id])
                 if not request.live_seqs():
                     self._finish_request(request)
                     finished.append(request)
+        for request, step in selections:  # after every beam of the step is marked computed
+            if self._apply_beam_step(request, step):
+                finished.append(request)
         return finished
+
+    def _beam_steps(self, live, beams: Mapping[str, BeamStep]) -> list[tuple[Request, BeamStep]]:
+        """The selection of each beam request whose beams sampled this step, checked against them."""
+        sampling: dict[str, tuple[Request, set[int]]] = {}
+        for s, request in live:
+            if s.do_sample and request.is_beam_search:
+                sampling.setdefault(s.request_id, (request, set()))[1].add(s.seq_id)
+        selections = []
+        for rid, (request, seq_ids) in sampling.items():
+            step = beams.get(rid)
+            if not isinstance(step, BeamStep):
+                raise ValueError(f"beams has no BeamStep for beam request {rid!r}, got {step!r}")
+            if seq_ids != {seq.seq_id for seq in request.live_seqs()}:
+                raise ValueError(f"beam request {rid!r}: its beams did not all sample in this step")
+            if step.finish_reason is None:
+                if not 1 <= len(step.children) <= request.beam_width or not all(
+                        p in seq_ids and isinstance(t, int) and t >= 0 for p, t in step.children):
+                    raise ValueError(f"beams[{rid!r}]: 1 to {request.beam_width} children (parent seq_id among"
+                                     f" {sorted(seq_ids)}, token id >= 0) or a finish_reason, got {step!r}")
+            elif step.finish_reason not in (FinishReason.STOP.value, FinishReason.LENGTH.value):
+                raise ValueError(f"beams[{rid!r}].finish_reason must be 'stop' or 'length', got {step.finish_reason!r}")
+            selections.append((request, step))
+        return selections
+
+    def _apply_beam_step(self, request: Request, step: BeamStep) -> bool:
+        """Fork the next beams from their parents (blocks shared: copy-on-write when they write), free
+        the old ones; or end the request. True if it finished."""
+        old = request.live_seqs()
+        if step.finish_reason is not None:
+            for seq in old:
+                request.finish_reasons[seq.seq_id] = FinishReason(step.finish_reason)
+            self._finish_request(request)
+            return True
+        parents = {seq.seq_id: seq for seq in old}
+        children = []
+        for parent_id, token in step.children:
+            child = parents[parent_id].fork(self._next_seq_id)
+            self._next_seq_id += 1
+            self.bm.fork(parents[parent_id], child)
+            child.append_token(token)
+            self._seqs[child.seq_id] = child
+            children.append(child)
+        for seq in old:
+            self.bm.free(seq)
+            del self._seqs[seq.seq_id]
+        request.group.seqs[:] = children
+        return False
 
     def discard_step(self, out: SchedulerOutput) -> bool:
         """Forget the latest step after executing it failed, so that schedule() may run again.

@@ -58,6 +58,16 @@ def logits_rows(scheduled) -> list[int]:
     return sampled + prompt
 
 
+@dataclass(frozen=True)
+class BeamStep:
+    """A beam request's selection after a step in which all its beams sampled (the engine's, see
+    kvpage.engine.beam_search): the next running beams as (parent seq_id, token), or, with
+    finish_reason set, the end of the search (every beam is freed)."""
+
+    children: tuple[tuple[int, int], ...] = ()
+    finish_reason: str | None = None  # a FinishReason value: "stop" or "length"
+
+
 @dataclass
 class SchedulerOutput:
     """Runner order: swap_blocks(out), swap_blocks(in), copy_blocks, then the forward pass.

@@ -63,7 +63,8 @@ class _RequestState:
                                       self.first_scheduled_step, self.finished_step, self.num_prompt_logits_done)
         r.finish_reasons.clear()
         r.finish_reasons.update(self.finish_reasons)
-        del r.group.seqs[len(self.seqs):]  # children forked since
+        # Children forked since go; beams the step's selection dropped come back.
+        r.group.seqs[:] = [s.seq for s in self.seqs]
         for s in self.seqs:
             s.restore()
 

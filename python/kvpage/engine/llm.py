@@ -11,7 +11,7 @@ import torch
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
-from .llm_engine import EngineConfig, LLMEngine, cache_salt_keys
+from .llm_engine import EngineConfig, LLMEngine
 from .model_config import eos_token_ids, max_model_len, resolve_dtype, resolve_seed, resolve_tokenizer
 from .outputs import RequestOutput
 from .prompt_inputs import PromptItem, normalise_conversations, normalise_prompts, per_prompt_params
@@ -217,7 +217,7 @@ class LLM:
         ids: list[str] = []
         self._unfinished_call = ids
         try:
-            beams = self._add_all(items, ids)
+            self._add_all(items, ids)
             results = self._drain(len(ids), use_tqdm)
         except BaseException:
             # A failed step (the engine has already discarded it) or a KeyboardInterrupt: withdraw this
@@ -225,18 +225,8 @@ class LLM:
             with deferred_interrupts():
                 self.llm_engine.abort_request(ids)
             raise
-        # Beam search runs on the idle engine after the others (kvpage.engine.beam_search).
-        from .beam_search import beam_search
-        ordered, it = [], iter(ids)
-        for i in range(len(items)):
-            if i in beams:
-                prompt, token_ids = beams[i]
-                ordered.append(beam_search(self, prompt, token_ids, items[i].params,
-                                           request_id=str(next(self._counter)), cache_salt=items[i].cache_salt))
-            else:
-                ordered.append(results[next(it)])
         self._unfinished_call = []
-        return ordered
+        return [results[rid] for rid in ids]
 
     def _settle(self) -> None:
         """Finish what an interrupt cut short in the last call's clean-up: its requests withdrawn, no
@@ -267,27 +257,17 @@ class LLM:
                 bar.close()
         return results
 
-    def _add_all(self, items: list, ids: list[str]) -> dict[int, tuple]:
-        """Check every prompt and queue the non-beam ones, appending their request ids to `ids` (an id
-        goes in before its request, so the caller can withdraw whatever got queued); on the first that
-        cannot run raise, naming its index. Returns {index: (text, token ids)} of the beam requests,
-        checked the same way (beam_search runs them)."""
-        from .beam_search import check_beam_request
-        beams = {}
+    def _add_all(self, items: list, ids: list[str]) -> None:
+        """Check and queue every prompt (beam search ones too: the scheduler batches them with the
+        others), appending their request ids to `ids` (an id goes in before its request, so the
+        caller can withdraw whatever got queued); on the first that cannot run raise, naming its index."""
         for index, item in enumerate(items):
-            sp = item.params
             try:
-                sp.validate()  # before use_beam_search reads beam_width
-                if sp.use_beam_search:
-                    cache_salt_keys(item.cache_salt)
-                    beams[index] = check_beam_request(self.llm_engine, item.prompt, item.token_ids, sp)
-                    continue
                 ids.append(str(next(self._counter)))
-                self.llm_engine.add_request(ids[-1], item.prompt, sp, prompt_token_ids=item.token_ids, stream=False,
-                                            cache_salt=item.cache_salt)
+                self.llm_engine.add_request(ids[-1], item.prompt, item.params, prompt_token_ids=item.token_ids,
+                                            stream=False, cache_salt=item.cache_salt)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {index}: {e}") from e
-        return beams
 
     def stats(self) -> dict:
         """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes

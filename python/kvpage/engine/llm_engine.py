@@ -12,9 +12,10 @@ from typing import Iterable
 
 import torch
 
-from kvpage.core import BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
+from kvpage.core import BeamStep, BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 from kvpage.core.interrupts import deferred_interrupts
 
+from .beam_search import BeamSearchState, beam_output, new_beam_search, select
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .logits_processors import bad_words_token_ids
@@ -65,6 +66,7 @@ class _RequestState:
     stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: eos (unless ignore_eos) and stop_token_ids
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, position 1's, ...] so far
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    beam: BeamSearchState | None = None  # beam search: the search so far (the scheduler holds the beams)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -104,13 +106,13 @@ class LLMEngine:
         than max_model_len, too long for the whole KV cache, or min_tokens with nothing but stop tokens
         to sample, as vLLM's add_request does (an output reaching max_model_len stops there, "length").
         stream=False: step() reports it only once finished, and its text is decoded once at the end.
+        A beam request (beam_width > 1) is scheduled with the others and reported once finished.
         cache_salt (vLLM's): the request shares prefix-cache blocks only with requests of the same salt."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # fields may have been assigned since construction
-        if params.use_beam_search:
-            raise ValueError("beam_width > 1 runs through LLM.generate (kvpage.engine.beam_search), not add_request")
+        stream = stream and not params.use_beam_search  # the best beams are known only at the end
         text, token_ids = self.request_prompt(prompt, prompt_token_ids, params)
         eos, *more_eos = self.config.eos_token_ids or (None,)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
@@ -125,11 +127,14 @@ class LLMEngine:
         # Everything that can fail is done before the scheduler hears of the request (admission is
         # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
         state = self._new_state(text, token_ids, params, stream, held_back)
+        if params.use_beam_search:
+            state.beam = new_beam_search(params, len(token_ids), self.config.max_model_len, self.config.eos_token_ids)
         with deferred_interrupts():
             state.request = self.scheduler.add_request(
                 request_id, token_ids, max_tokens=params.max_tokens, n=params.n, eos_token_id=eos,
                 stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
-                prompt_logits=params.prompt_logprobs is not None, extra_keys=extra_keys)
+                prompt_logits=params.prompt_logprobs is not None, extra_keys=extra_keys,
+                beam_width=params.beam_width)
             state.index_of = {state.request.seqs[0].seq_id: 0}
             self._states[request_id] = state
             self.num_prompt_tokens += len(token_ids)
@@ -245,19 +250,22 @@ class LLMEngine:
             self.num_steps += 1
             self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
             rows = [s for s in out.scheduled if s.do_sample]
-            sample_rows, result, prompt_logprobs = [], None, []
+            plain = [s for s in rows if self._states[s.request_id].beam is None]
+            sample_rows, result, prompt_logprobs, beams = [], None, [], {}
             self._check_progress(out)
             if not out.is_empty:
                 started = time.perf_counter()
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
-                sample_rows, result = self._sample(rows, logits[:len(rows)])
+                sample_rows, result = self._sample(plain, self._plain_logits(rows, logits))
+                beams = self._select_beams(rows, logits)
                 record_step_time(self.cost_model, out, started)
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
-            sampled = self._sampled(rows, result)
+            sampled = self._sampled(plain, result)
             # The commit: the scheduler's and the engine's records of the step land together.
             with deferred_interrupts():
-                self.scheduler.update_from_output(out, sampled)
-                self._record_samples(rows, sample_rows, result)
+                self.scheduler.update_from_output(out, sampled, {rid: step for rid, (_, step) in beams.items()})
+                self._record_samples(plain, sample_rows, result)
+                self._record_beams(beams)
                 for state, position, entries in prompt_logprobs:  # in order: no position comes twice
                     state.prompt_logprobs[position + 1:] = entries
                 outputs = self._process(rows)
@@ -295,9 +303,40 @@ class LLMEngine:
             raise RuntimeError("the scheduler made no progress in 3 steps with requests pending"
                                f" ({self.scheduler.stats()}); this is a bug")
 
-    def _sample(self, rows, logits) -> tuple[list[SampleRow], SamplerOutput]:
+    def _sample(self, rows, logits) -> tuple[list[SampleRow], SamplerOutput | None]:
+        if not rows:
+            return [], None
         sample_rows = [self._sample_row(self._states[s.request_id], s) for s in rows]
         return sample_rows, self.sampler(logits, sample_rows)
+
+    def _plain_logits(self, rows, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows the sampler draws from (all but beam requests')."""
+        keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]
+        if len(keep) == len(rows):
+            return logits[:len(rows)]
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+
+    def _select_beams(self, rows, logits: torch.Tensor) -> dict[str, tuple[BeamSearchState, BeamStep]]:
+        """Each beam request whose beams sampled: its next state and the scheduler's BeamStep."""
+        row_of = {s.seq_id: i for i, s in enumerate(rows)}
+        found = {}
+        for rid in dict.fromkeys(s.request_id for s in rows):
+            state = self._states[rid]
+            if state.beam is None:
+                continue
+            beams = state.request.live_seqs()  # the order of state.beam.scores
+            index = torch.tensor([row_of[seq.seq_id] for seq in beams], dtype=torch.long, device=logits.device)
+            found[rid] = select(state.beam, logits[index], beams)
+        return found
+
+    def _record_beams(self, beams: dict[str, tuple[BeamSearchState, BeamStep]]) -> None:
+        now = time.perf_counter()
+        for rid, (new, step) in beams.items():
+            state = self._states[rid]
+            state.beam = new
+            if state.first_token_time is None:
+                state.first_token_time = now
+            self.num_generation_tokens += len(step.children)
 
     @staticmethod
     def _sample_row(state: _RequestState, s) -> SampleRow:
@@ -393,7 +432,10 @@ class LLMEngine:
             if state.needs_detok:
                 self._detokenize(state)
             finished = state.request.status.is_finished
-            if finished or state.stream:
+            if finished and state.beam is not None:
+                outputs.append(beam_output(state.beam, rid, state.prompt, state.request.prompt_token_ids,
+                                           state.params, self.tokenizer, self._metrics(state)))
+            elif finished or state.stream:
                 outputs.append(self._make_output(state, finished))
             if finished:
                 del self._states[rid]
@@ -442,13 +484,18 @@ class LLMEngine:
             completions.append(CompletionOutput(i, text, list(token_ids), reason.value if reason else None,
                                                 sample.cumulative_logprob,
                                                 list(sample.logprobs) if sample.logprobs is not None else None))
-        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
-        if state.first_token_time is not None:
-            metrics["ttft"] = state.first_token_time - state.arrival_time
+        metrics = self._metrics(state)
         prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
         cached = request.num_cached_tokens if request.num_cached_tokens >= 0 else None
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, completions,
                              finished, metrics, prompt_logprobs, cached)
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> dict:
+        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
+        if state.first_token_time is not None:
+            metrics["ttft"] = state.first_token_time - state.arrival_time
+        return metrics
 
     # -- statistics ----------------------------------------------------------------------------
 

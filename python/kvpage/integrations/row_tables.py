@@ -7,10 +7,10 @@ bookkeeping, no tensors: the caller moves the K/V (ops.copy_blocks for the pairs
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from kvpage.core import BlockPool, num_blocks_for, slot_mapping
+from kvpage.core.block_table import blocks_to_append
 
 BlockPairs = list[tuple[int, int]]
 
@@ -100,18 +100,9 @@ class RowTables:
             row.num_tokens = num_tokens
 
     def _reserve(self, counts: list[int]) -> None:
-        bs, refs = self.block_size, self.pool.ref_counts
-        needed, copied = 0, Counter()
-        for row, n in zip(self.rows, counts):
-            if not n:
-                continue
-            needed += num_blocks_for(row.num_tokens + n, bs) - len(row.block_table)
-            if row.num_tokens % bs:
-                last = row.block_table[-1]
-                # Rows sharing a block copy it in turn; the last one left on it writes in place.
-                if refs[last] - copied[last] > 1:
-                    needed += 1
-                    copied[last] += 1
+        # A row holds exactly the blocks of its tokens, so it writes from its length on.
+        plan = [(row.block_table, row.num_tokens, n) for row, n in zip(self.rows, counts) if n]
+        needed = blocks_to_append(plan, self.pool.ref_counts, self.block_size)
         if needed > self.pool.num_free_blocks:
             raise OutOfBlocks(f"out of KV blocks: this forward pass needs {needed} more, and"
                                f" {self.pool.num_free_blocks} of the pool's {self.pool.num_blocks} are free")

@@ -1,0 +1,107 @@
+"""Beam search through the scheduler: beam requests batched with sampling requests vs one at a time.
+
+8 beam requests (width 4) and 56 sampling requests, paired on one LLM: "old" runs the 56 in one
+generate and then each beam request alone (what kvpage did before beam search went through the
+scheduler: one beam run at a time on an idle engine), "new" runs all 64 in one generate. The beams
+must come out the same both ways; the ratio old / new is the speed-up.
+
+    python bench/beam_search.py           # 8 beam + 56 sampling requests, 32 tokens each, 2 rounds
+    python bench/beam_search.py --quick   # 2 beam + 6 sampling, 4 tokens, 1 round: a smoke run
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import kvpage  # noqa: E402
+
+
+def workload(tokenizer, num_beam, num_sampling, prompt_len, max_tokens, beam_width, seed):
+    prompts = [common.random_prompt(tokenizer, prompt_len, seed + i) for i in range(num_beam + num_sampling)]
+    beam = kvpage.SamplingParams(beam_width=beam_width, max_tokens=max_tokens)
+    sampling = kvpage.SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    return prompts[:num_beam], prompts[num_beam:], beam, sampling
+
+
+def beams_of(outputs):
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+def run_old(llm, beam_prompts, sampling_prompts, beam, sampling):
+    start = time.perf_counter()
+    llm.generate(sampling_prompts, sampling, use_tqdm=False)
+    outs = [llm.generate([p], beam, use_tqdm=False)[0] for p in beam_prompts]
+    return time.perf_counter() - start, beams_of(outs)
+
+
+def run_new(llm, beam_prompts, sampling_prompts, beam, sampling):
+    start = time.perf_counter()
+    outs = llm.generate(beam_prompts + sampling_prompts, [beam] * len(beam_prompts) + [sampling] * len(sampling_prompts),
+                        use_tqdm=False)
+    return time.perf_counter() - start, beams_of(outs[:len(beam_prompts)])
+
+
+def matches_hf(llm, prompts, beam, beams) -> bool:
+    """Whether `beams` are transformers' generate(num_beams=k) beams on the same weights (HF pads the
+    shorter ones)."""
+    import copy
+
+    import torch
+    model = copy.deepcopy(llm.model)
+    model.set_attn_implementation("sdpa")
+    pad = model.generation_config.pad_token_id
+    for prompt, got in zip(prompts, beams):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=beam.beam_width,
+                                 num_return_sequences=beam.beam_width, max_new_tokens=beam.max_tokens)
+        for ref, tokens in zip(out[:, ids.shape[1]:].tolist(), got):
+            if ref[:len(tokens)] != tokens or any(t != pad for t in ref[len(tokens):]):
+                return False
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--beam", type=int, default=8, help="beam-search requests")
+    parser.add_argument("--sampling", type=int, default=56, help="sampling requests")
+    parser.add_argument("--beam-width", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--tg", type=int, default=32, help="max_tokens of every request")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="2 beam + 6 sampling, 4 tokens, 1 round (smoke run)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the check against HF generate(num_beams=k)")
+    common.add_model_argument(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.beam, args.sampling, args.tg, args.rounds = 2, 6, 4, 1
+    llm = kvpage.LLM(model=args.model, **(common.QUICK_ENGINE_ARGS if args.quick else {}))
+    run_new(llm, *workload(llm.tokenizer, 1, 2, args.pp, 4, args.beam_width, 99))  # warm-up
+    pairs = []
+    for r in range(args.rounds):
+        work = workload(llm.tokenizer, args.beam, args.sampling, args.pp, args.tg, args.beam_width, 1000 * r)
+        settle = (lambda: None) if args.quick else common.wait_until_idle
+        settle()
+        old, old_beams = run_old(llm, *work)
+        settle()
+        new, new_beams = run_new(llm, *work)
+        if old_beams != new_beams:
+            sys.exit(f"round {r}: the beams differ between the sequential and the batched runs")
+        if not args.no_hf and r == 0 and not matches_hf(llm, work[0], work[2], new_beams):
+            sys.exit("the beams differ from HF generate(num_beams=k)")
+        pairs.append((old, new))
+    ratios = [old / new for old, new in pairs]
+    common.print_table([{"round": i, "old s": f"{o:.2f}", "new s": f"{n:.2f}", "old/new": f"{o / n:.2f}x"}
+                        for i, (o, n) in enumerate(pairs)], ["round", "old s", "new s", "old/new"])
+    print(f"speed-up (median): {statistics.median(ratios):.2f}x")
+    common.write_json("beam_search_quick" if args.quick else "beam_search", {
+        "beam": args.beam, "sampling": args.sampling, "beam_width": args.beam_width, "pp": args.pp, "tg": args.tg,
+        "old_s": [p[0] for p in pairs], "new_s": [p[1] for p in pairs], "speedup_median": statistics.median(ratios),
+        "machine": common.machine_info()})
+
+
+if __name__ == "__main__":
+    main()
