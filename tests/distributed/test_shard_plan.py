@@ -94,7 +94,8 @@ def test_unpacked_step_is_the_runners_own_flat_batch():
     h, payload = protocol.pack_step(batch, 7, block_size=16)
     step = protocol.unpack_step(h, payload, torch.device("cpu"))
     assert int(h[protocol.MESSAGE]) == 7 and payload.dtype == torch.int32
-    assert torch.equal(step.input_ids, input_ids) and torch.equal(step.positions, positions)
+    # The broadcast carries [1, T]; execute_prepared flattens it to the runner's own [T].
+    assert torch.equal(step.input_ids.reshape(-1), input_ids) and torch.equal(step.positions.reshape(-1), positions)
     for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         got, want = getattr(step.metadata, name), getattr(metadata, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
