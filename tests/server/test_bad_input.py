@@ -129,6 +129,44 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(small_llm):
         del runner.execute
 
 
+def test_a_failed_step_fails_only_the_requests_in_it(model, tok):
+    """One sequence a step: the request that waits is not in the failing step and completes."""
+    import threading
+
+    import time
+
+    llm = make_llm(model, tok, max_num_seqs=1)
+    runner = llm.llm_engine.runner
+    real = runner.execute
+
+    def slow(batch):  # 20 ms a step: the first request cannot finish before the failure is armed
+        time.sleep(0.02)
+        return real(batch)
+
+    runner.execute = failing = _FailOnce(slow)
+    results = {}
+    try:
+        with running_server(llm) as (url, _):
+            def call(name, max_tokens):
+                results[name] = post(url + COMPLETIONS, {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True})
+            first = threading.Thread(target=call, args=("first", 200))
+            first.start()
+            while scrape(url)["kvpage:num_requests_running"] < 1:
+                pass
+            second = threading.Thread(target=call, args=("second", 3))
+            second.start()
+            while scrape(url)["kvpage:num_requests_waiting"] < 1:
+                pass
+            failing.armed = True  # the next step holds the first request only
+            first.join(timeout=60)
+            second.join(timeout=60)
+        assert results["first"][0] == 500 and "injected runner failure" in results["first"][1]["error"]["message"]
+        assert results["second"][0] == 200 and results["second"][1]["usage"]["completion_tokens"] == 3
+    finally:
+        del runner.execute
+        llm.shutdown()
+
+
 def _sse_events(url: str, body: dict) -> list:
     import urllib.request
     request = urllib.request.Request(url + COMPLETIONS, json.dumps(body).encode(), {"Content-Type": "application/json"})

@@ -96,6 +96,9 @@ class LLMEngine:
         self.max_kv_blocks_used = 0
         self._idle_steps = 0
         self._consistent = True  # False from a step's start until it is committed or repaired
+        # After step() raised: the requests the failed step held (still queued, to run again), or None
+        # where it failed before a step was formed.
+        self.failed_request_ids: list[str] | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -274,6 +277,8 @@ class LLMEngine:
         except BaseException:
             # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
             # step and its requests run again from a consistent state; the caller decides about them.
+            pending = self.scheduler.pending
+            self.failed_request_ids = None if pending is None else sorted({s.request_id for s in pending.scheduled})
             self._repair()
             raise
 

@@ -152,11 +152,12 @@ class EngineLoop:
         try:
             outputs: list[RequestOutput] = self.engine.step()
         except Exception as e:
-            # The engine cannot say which requests the failed step held, so every request in it is
-            # withdrawn and told; the loop goes on serving new ones.
+            # The requests the failed step held are withdrawn and told (all in flight where the engine
+            # cannot say which: a failure before the step was formed); the others go on.
             logger.exception("kvpage server: an engine step failed; its requests are aborted")
             self.num_failed_steps += 1
-            self._fail_all(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"))
+            self._fail(EngineStepError(f"the engine step failed: {type(e).__name__}: {e}"),
+                       self.engine.failed_request_ids)
             return
         self._publish()  # before the outputs: a client that saw its request end sees it in /metrics too
         for out in outputs:
@@ -175,8 +176,13 @@ class EngineLoop:
         self._fail_all(error)
 
     def _fail_all(self, error: Exception) -> None:
-        sinks, self._sinks = self._sinks, {}
-        self.engine.abort_request(list(sinks))
+        self._fail(error, None)
+
+    def _fail(self, error: Exception, request_ids: list[str] | None) -> None:
+        """Withdraw and tell the given requests (None: every one in flight)."""
+        ids = list(self._sinks) if request_ids is None else [rid for rid in request_ids if rid in self._sinks]
+        sinks = {rid: self._sinks.pop(rid) for rid in ids}
+        self.engine.abort_request(ids)
         self._publish()
         for sink in sinks.values():
             sink.put(error)
