@@ -1,5 +1,6 @@
-"""The driver (rank 0): owns nothing of the scheduling, only the broadcast. LLMEngine and beam search
-call `execute(batch)` on it exactly as on a ModelRunner; each call packs the step (protocol.py),
+"""The driver (rank 0): owns nothing of the scheduling, only the broadcast. LLMEngine (beam search
+included, which the scheduler now batches with the rest) calls `execute(batch)` on it exactly as on a
+ModelRunner; each call packs the step (protocol.py),
 broadcasts it, runs rank 0's shard on the unpacked tensors, and returns the logits the LM head gathered.
 
 Failure handling: before each step the driver polls its worker processes; during one, a dead worker breaks
