@@ -442,11 +442,8 @@ class Scheduler:
         parents = {seq.seq_id: seq for seq in old}
         children = []
         for parent_id, token in step.children:
-            child = parents[parent_id].fork(self._next_seq_id)
-            self._next_seq_id += 1
-            self.bm.fork(parents[parent_id], child)
+            child = self._fork(parents[parent_id])
             child.append_token(token)
-            self._seqs[child.seq_id] = child
             children.append(child)
         for seq in old:
             self.bm.free(seq)
@@ -521,11 +518,8 @@ class Scheduler:
     def _append_sampled(self, request: Request, seq: Sequence, tokens: list[int]) -> None:
         targets = [seq]
         for _ in tokens[1:]:  # the prompt just completed: fork the other samples onto its blocks
-            child = seq.fork(self._next_seq_id)
-            self._next_seq_id += 1
-            self.bm.fork(seq, child)
+            child = self._fork(seq)
             request.group.seqs.append(child)
-            self._seqs[child.seq_id] = child
             targets.append(child)
         for target, token in zip(targets, tokens):
             target.append_token(token)
@@ -533,6 +527,14 @@ class Scheduler:
             if reason is not None:
                 request.finish_reasons[target.seq_id] = reason
                 self.bm.free(target)
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        """A new registered sequence sharing the parent's tokens and blocks (n > 1 samples, beams)."""
+        child = parent.fork(self._next_seq_id)
+        self._next_seq_id += 1
+        self.bm.fork(parent, child)
+        self._seqs[child.seq_id] = child
+        return child
 
     def _finish_request(self, request: Request) -> None:
         for seq in request.seqs:
