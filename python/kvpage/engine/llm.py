@@ -14,7 +14,7 @@ from kvpage.core.policies import check_preemption_mode
 from .llm_engine import EngineConfig, LLMEngine
 from .model_config import eos_token_ids, max_model_len, resolve_dtype, resolve_seed, resolve_tokenizer
 from .outputs import RequestOutput
-from .prompt_inputs import PromptItem, normalise_conversations, normalise_prompts, per_prompt_params
+from .prompt_inputs import PromptItem, chat_template_prompt, normalise_conversations, normalise_prompts, per_prompt_params
 
 logger = logging.getLogger("kvpage")
 
@@ -203,11 +203,8 @@ class LLM:
         conversations = normalise_conversations(messages)
         params = per_prompt_params(sampling_params, len(conversations))
         with self._lock:  # the tokenizer too is used by one thread at a time
-            texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
-                                                        chat_template=chat_template) for c in conversations]
-            # The template already wrote the special tokens, so encode without adding them again.
-            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-            return self._run([PromptItem(t, i, sp) for t, i, sp in zip(texts, ids, params)], use_tqdm)
+            prompts = [chat_template_prompt(self.tokenizer, c, chat_template) for c in conversations]
+            return self._run([PromptItem(t, i, sp) for (t, i), sp in zip(prompts, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:

@@ -64,6 +64,15 @@ def per_prompt_params(sampling_params, n: int) -> list[SamplingParams]:
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
 
 
+def chat_template_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
+                         add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """A conversation as the chat template writes it, and its token ids: the template wrote the special
+    tokens already, so encoding does not add them again."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
