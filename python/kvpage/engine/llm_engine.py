@@ -125,8 +125,6 @@ class LLMEngine:
             self._check_min_tokens_reachable(params, held_back)
         self._check_logprobs(params)
         extra_keys = cache_salt_keys(cache_salt)
-        if request_id in self._states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         # Everything that can fail is done before the scheduler hears of the request (admission is
         # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
         state = self._new_state(text, token_ids, params, stream, held_back)
