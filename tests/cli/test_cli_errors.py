@@ -68,3 +68,11 @@ def test_help_shows_every_default(command):
         entry = text[text.index(f"  {flag}"):]
         entry = entry[:entry.index("\n  -", 1)] if "\n  -" in entry[1:] else entry
         assert "(default:" in entry, f"{command} {flag}: {entry}"
+
+
+def test_enforce_eager_runs_generate(tiny_model_dir):
+    """--enforce-eager reaches LLM(enforce_eager=True); on a CPU every step is eager anyway."""
+    run = subprocess.run([sys.executable, "-m", "kvpage", "generate", "--model", str(tiny_model_dir), "--enforce-eager",
+                          "--max-tokens", "3", "--temperature", "0", "--raw", "Hello"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
