@@ -145,7 +145,9 @@ def cmd_plan(args) -> None:
     workload = costmodel.Workload(
         context_len=args.context, block_size=args.block_size, mean_len=args.mean_len,
         memory_utilization=args.memory_utilization, dtype_bytes=dtype_bytes, prefix_requests=args.prefix_requests,
-        prefix_shared_tokens=args.prefix_tokens, max_num_batched_tokens=args.max_num_batched_tokens)
+        prefix_shared_tokens=args.prefix_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size, decode_context_parallel_size=args.decode_context_parallel_size,
+        dcp_kv_cache_interleave_size=args.dcp_kv_cache_interleave_size, decode_batch_size=args.decode_batch_size)
     print(costmodel.plan_text(costmodel.get_model(args.model), costmodel.get_device(args.device), workload))
 
 
@@ -226,7 +228,8 @@ def _add_bench_parser(sub) -> None:
 
 def _add_plan_parser(sub) -> None:
     p = _add_command(sub, "plan", cmd_plan, "the cost model's numbers for a model on a device (docs/mathlab.md)")
-    p.add_argument("--model", default="llama-3-8b", help="llama-3-8b, smollm2-135m or a local HF model directory")
+    p.add_argument("--model", default="llama-3-8b", help="llama-3-8b, smollm2-135m, gemma-2b (MQA)"
+                   " or a local HF model directory")
     p.add_argument("--device", default="h100", help="h100, h200, a100, or 'this' (measured now, a few seconds)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="KV and weights dtype (default: bf16 on GPUs, fp32 on 'this')")
@@ -237,6 +240,12 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--prefix-requests", type=int, default=50, help="requests sharing one system prompt")
     p.add_argument("--prefix-tokens", type=int, default=2000, help="shared system-prompt tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step may compute")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs splitting each layer's heads")
+    p.add_argument("--decode-context-parallel-size", type=int, default=1,
+                   help="ranks splitting each sequence's positions (divides the TP size, at most TP / KV heads)")
+    p.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1,
+                   help="consecutive positions per DCP rank (divides --block-size)")
+    p.add_argument("--decode-batch-size", type=int, default=1, help="decode tokens per step, for DCP's bytes moved")
 
 
 def build_parser() -> argparse.ArgumentParser:

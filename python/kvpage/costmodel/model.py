@@ -82,6 +82,11 @@ PRESETS: dict[str, ModelShape] = {
     "smollm2-135m": ModelShape("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
                                head_dim=64, intermediate_size=1536, vocab_size=49152,
                                tie_word_embeddings=True, max_position_embeddings=8192),
+    # Multi-query attention (one KV head) in a Llama-shaped decoder: google/gemma-2b's config.json. Its GeGLU
+    # MLP has the same three matrices as Llama's SwiGLU, so the parameter count holds (2.51 B).
+    "gemma-2b": ModelShape("gemma-2b", num_layers=18, hidden_size=2048, num_heads=8, num_kv_heads=1,
+                           head_dim=256, intermediate_size=16384, vocab_size=256000,
+                           tie_word_embeddings=True, max_position_embeddings=8192),
 }
 
 
@@ -104,7 +109,7 @@ def from_hf_config(config, name: str | None = None) -> ModelShape:
 
 
 def get_model(name_or_path) -> ModelShape:
-    """A preset by name ("llama-3-8b", "smollm2-135m"), a local HF model directory, or a ModelShape."""
+    """A preset by name ("llama-3-8b", "smollm2-135m", "gemma-2b"), a local HF model directory, or a ModelShape."""
     if isinstance(name_or_path, ModelShape):
         return name_or_path
     key = str(name_or_path).lower()

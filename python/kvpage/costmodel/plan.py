@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import cow, memory
+from .dcp import ParallelConfig, dcp_traffic, rank_capacity, tp_all_reduce_bytes
 from .device import Device
 from .model import ModelShape
 from .prefix import prefix_cache_ttft, resident_blocks
@@ -25,6 +26,10 @@ class Workload:
     cow_generated_tokens: int = 64
     samples: tuple[int, ...] = (2, 4, 8)
     beam_width: int = 4
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
+    decode_batch_size: int = 1  # decode tokens in one step, for the bytes DCP moves
 
 
 def _bytes(n: float) -> str:
@@ -51,6 +56,8 @@ def _crossover(n: int | None) -> str:
 
 def plan_text(model: ModelShape, device: Device, w: Workload = Workload()) -> str:
     dtype = w.dtype_bytes or device.dtype_bytes
+    parallel = ParallelConfig(model, w.tensor_parallel_size, w.decode_context_parallel_size,
+                              w.dcp_kv_cache_interleave_size, w.block_size)  # refuses bad sizes before any output
     lines = [f"kvpage plan: {model.name} on {device.name} ({device.description}), {dtype}-byte KV and weights",
              f"model: {model.num_layers} layers, {model.num_heads} heads / {model.num_kv_heads} KV heads x"
              f" {model.head_dim}, {model.num_params / 1e9:.3g} B params ({_bytes(model.weight_bytes(dtype))}),"
@@ -129,4 +136,44 @@ def plan_text(model: ModelShape, device: Device, w: Workload = Workload()) -> st
     at_fork = cow.parallel_sampling(2, w.cow_prompt_tokens, 1, w.block_size)
     lines.append(f"two samples at their first divergence: {at_fork.blocks_shared} blocks shared-and-copied vs"
                  f" {at_fork.blocks_unshared} duplicated")
+    lines += ["", *parallel_lines(parallel, device, w, dtype)]
     return "\n".join(lines)
+
+
+def allowed_dcp_sizes(model: ModelShape, tensor_parallel_size: int) -> list[int]:
+    """The decode_context_parallel_size values the rules accept at this TP: divisors of T up to T/K."""
+    replication = max(1, tensor_parallel_size // model.num_kv_heads)
+    return [d for d in range(1, replication + 1) if tensor_parallel_size % d == 0]
+
+
+def parallel_lines(pc: ParallelConfig, device: Device, w: Workload, dtype: int) -> list[str]:
+    """Per-rank KV under TP x DCP: what a rank stores per token, the context its budget holds, and what
+    the DCP attention merge moves per decode step."""
+    m, t, d = pc.model, pc.tensor_parallel_size, pc.decode_context_parallel_size
+    per_token = pc.kv_bytes_per_token_per_rank(dtype)
+    cap = rank_capacity(pc, device, dtype, w.mean_len, w.memory_utilization)
+    spread = sorted({pc.tokens_on_rank(w.context_len, r) for r in range(d)})
+    traffic = dcp_traffic(pc, dtype, w.decode_batch_size)
+    max_pos = f" (max_position_embeddings {m.max_position_embeddings})" if m.max_position_embeddings else ""
+    rows = [("KV heads per rank", f"{pc.kv_heads_per_rank} of {m.num_kv_heads}; KV-head replication"
+                                  f" {pc.kv_head_replication} (TP ranks holding the same head)"),
+            (f"DCP sizes the rules allow at TP={t}", ", ".join(map(str, allowed_dcp_sizes(m, t)))),
+            ("KV bytes per token per rank", f"{per_token:g} B ({_bytes(per_token)})"),
+            ("one block id covers", f"{pc.virtual_block_tokens} tokens, {pc.block_size} on each of {d} rank(s):"
+                                    f" up to {pc.virtual_block_tokens - 1} unfilled per sequence"),
+            (f"positions per rank at {w.context_len} tokens", "-".join(map(str, spread))),
+            ("weights per rank", _bytes(pc.weight_bytes_per_rank(dtype))),
+            ("KV budget per rank", f"{_bytes(cap.kv_budget_bytes)} = {cap.blocks_per_rank} blocks of"
+                                   f" {_bytes(pc.rank_block_bytes(dtype))}"),
+            ("max context the ranks' budget holds", f"{cap.max_context_tokens} tokens{max_pos}"),
+            (f"sequences that fit, paged (mean {w.mean_len:g})", str(cap.seqs_paged)),
+            (f"DCP bytes per decode step per layer", f"{traffic.total} B received per rank at"
+                                                     f" {w.decode_batch_size} decode token(s):"),
+            ("  query all-gather", f"{traffic.query_all_gather} B"),
+            ("  outputs + LSE all-to-all", f"{traffic.output_all_to_all} B"),
+            ("  over all layers", _bytes(traffic.total * m.num_layers)),
+            ("  beside TP's two all-reduces (ring)", f"{tp_all_reduce_bytes(pc, dtype, w.decode_batch_size):g} B"
+                                                     f" sent per rank per layer")]
+    title = (f"== Tensor x decode context parallelism: TP={t}, DCP={d},"
+             f" interleave {pc.dcp_kv_cache_interleave_size} ==")
+    return [title, *(f"{label:<43}{value}" for label, value in rows)]

@@ -1,0 +1,150 @@
+"""Decode context parallelism (DCP) on top of tensor parallelism: a rank's KV bytes, the context its
+budget holds, and the bytes the attention merge moves.
+
+Under TP=T each rank holds K/T of the model's K KV heads; past T = K a rank still holds one whole head,
+so T/K ranks hold the same head and the cache stops growing with T (the KV-head ceiling). DCP=D turns
+that replication into a split of the sequence: position p lives on rank (p // I) % D of its DCP group,
+so each rank keeps 1/D of every sequence's K/V for its head. vLLM's names and rules throughout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device import Device
+from .memory import _check_positive
+from .model import ModelShape
+
+LSE_BYTES = 4  # the log-sum-exp travels in float32 whatever the KV dtype
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """TP x DCP for one model, checked against vLLM's rules (each refusal names its argument)."""
+
+    model: ModelShape
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
+                     "block_size"):
+            _check_positive(name, getattr(self, name))
+        self._check_tensor_parallel()
+        self._check_decode_context_parallel()
+        i, b = self.dcp_kv_cache_interleave_size, self.block_size
+        if i > b or b % i:
+            raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={b} (1 up to block_size)")
+
+    def _check_tensor_parallel(self) -> None:
+        """Even head splits, so every rank's numbers are the same: query heads divide by T, and either
+        T divides the KV heads or the KV heads divide T (each replicated T/K times)."""
+        t, m = self.tensor_parallel_size, self.model
+        if m.num_heads % t:
+            raise ValueError(f"tensor_parallel_size={t} must divide the model's {m.num_heads} attention heads")
+        if m.num_kv_heads % t and t % m.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size={t} must divide the model's {m.num_kv_heads} KV heads or be"
+                             f" a multiple of them")
+
+    def _check_decode_context_parallel(self) -> None:
+        t, d = self.tensor_parallel_size, self.decode_context_parallel_size
+        if t % d:
+            raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={t}")
+        if d > self.kv_head_replication:
+            raise ValueError(f"decode_context_parallel_size={d} exceeds the KV-head replication"
+                             f" tensor_parallel_size / num_kv_heads = {t} / {self.model.num_kv_heads}"
+                             f" (at most {self.kv_head_replication}): DCP only splits replicated KV heads")
+
+    @property
+    def kv_head_replication(self) -> int:
+        """Ranks holding copies of the same KV head: T/K once T exceeds the KV heads, else 1."""
+        return max(1, self.tensor_parallel_size // self.model.num_kv_heads)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.model.num_kv_heads // self.tensor_parallel_size)
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.model.num_heads // self.tensor_parallel_size
+
+    @property
+    def virtual_block_tokens(self) -> int:
+        """Tokens one block id covers: a block_size block on each rank of the DCP group (vLLM's layout)."""
+        return self.block_size * self.decode_context_parallel_size
+
+    def rank_block_bytes(self, dtype_bytes: int) -> int:
+        """One physical block on one rank: block_size positions of this rank's KV heads, K and V, all layers."""
+        m = self.model
+        return 2 * m.num_layers * self.kv_heads_per_rank * m.head_dim * dtype_bytes * self.block_size
+
+    def kv_bytes_per_token_per_rank(self, dtype_bytes: int) -> float:
+        """A rank's share of one token's KV: its heads' K and V over every layer, on 1/D of the positions."""
+        return self.rank_block_bytes(dtype_bytes) / self.virtual_block_tokens
+
+    def tokens_on_rank(self, num_tokens: int, rank: int) -> int:
+        """How many of positions 0..num_tokens-1 land on DCP rank `rank` ((p // I) % D == rank)."""
+        i, d = self.dcp_kv_cache_interleave_size, self.decode_context_parallel_size
+        full, rest = divmod(num_tokens, i * d)
+        return full * i + min(i, max(0, rest - rank * i))
+
+    def max_context_tokens(self, blocks_per_rank: int) -> int:
+        """The longest single sequence blocks_per_rank blocks on each rank hold: every block id full."""
+        return blocks_per_rank * self.virtual_block_tokens
+
+    def weight_bytes_per_rank(self, dtype_bytes: int) -> float:
+        """Weights one rank holds: everything split T ways except the K/V projections (a rank keeps its
+        whole KV heads, replicated past T = K) and the RMSNorms (replicated everywhere)."""
+        m = self.model
+        kv = 2 * m.hidden_size * m.head_dim * m.num_layers
+        norms = m.hidden_size * (2 * m.num_layers + 1)
+        split = m.num_params - kv * m.num_kv_heads - norms
+        return (split / self.tensor_parallel_size + kv * self.kv_heads_per_rank + norms) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RankCapacity:
+    kv_budget_bytes: float  # one rank's memory for KV after its weights
+    blocks_per_rank: int
+    max_context_tokens: int  # one sequence filling every block id
+    seqs_paged: int  # sequences of the mean length, each wasting half a virtual block on average
+
+
+def rank_capacity(pc: ParallelConfig, device: Device, dtype_bytes: int, mean_len: float,
+                  memory_utilization: float = 0.9) -> RankCapacity:
+    """What one rank's KV budget (the utilised share of its memory minus its weights) holds."""
+    budget = device.memory_bytes * memory_utilization - pc.weight_bytes_per_rank(dtype_bytes)
+    if budget <= 0:
+        raise ValueError(f"{pc.model.name}'s weights per rank do not fit in {memory_utilization:.0%} of"
+                         f" {device.name} at tensor_parallel_size={pc.tensor_parallel_size}")
+    blocks = int(budget // pc.rank_block_bytes(dtype_bytes))
+    per_seq = mean_len + (pc.virtual_block_tokens - 1) / 2
+    return RankCapacity(budget, blocks, pc.max_context_tokens(blocks), int(pc.max_context_tokens(blocks) // per_seq))
+
+
+@dataclass(frozen=True)
+class DcpTraffic:
+    """Bytes one rank receives per decode step per layer for a batch of num_tokens decode tokens
+    (the all-to-all variant: an all-gather of the query, then one all-to-all of outputs and LSEs)."""
+
+    query_all_gather: int  # the other D-1 ranks' queries for this rank's heads
+    output_all_to_all: int  # (D-1)/D of [T_tok, D*h_local, head_dim] outputs plus float32 LSEs
+
+    @property
+    def total(self) -> int:
+        return self.query_all_gather + self.output_all_to_all
+
+
+def dcp_traffic(pc: ParallelConfig, dtype_bytes: int, num_tokens: int = 1) -> DcpTraffic:
+    others = pc.decode_context_parallel_size - 1
+    rows = others * num_tokens * pc.q_heads_per_rank  # head-rows received from the other ranks
+    head = pc.model.head_dim * dtype_bytes
+    return DcpTraffic(query_all_gather=rows * head, output_all_to_all=rows * (head + LSE_BYTES))
+
+
+def tp_all_reduce_bytes(pc: ParallelConfig, dtype_bytes: int, num_tokens: int = 1) -> float:
+    """What TP already moves per layer for comparison: two ring all-reduces of [T_tok, hidden], each
+    sending 2 (T-1)/T of it per rank."""
+    t = pc.tensor_parallel_size
+    return 2 * 2 * (t - 1) / t * num_tokens * pc.model.hidden_size * dtype_bytes
