@@ -60,6 +60,19 @@ def test_the_bench_model_n_blocks_per_rank_hold_n_times_16_times_d_tokens():
         assert pc.virtual_block_tokens - 1 == 16 * d - 1  # the most one sequence leaves unfilled
 
 
+def test_sequences_that_fit_match_allocating_block_ids_one_position_at_a_time():
+    for t, d in ((1, 1), (2, 2), (4, 4)):
+        pc = ParallelConfig(TINY_MQA, t, d)
+        for blocks, seq_len in ((64, 100), (64, 256), (64, 1000), (7, 33)):
+            used, fitted = 0, 0
+            while True:  # a new block id (one block on each rank) whenever the position starts a virtual block
+                need = sum(1 for p in range(seq_len) if p % (16 * d) == 0)
+                if used + need > blocks:
+                    break
+                used, fitted = used + need, fitted + 1
+            assert pc.sequences_that_fit(blocks, seq_len) == fitted
+
+
 def test_weights_per_rank_worked_by_hand_at_tp8():
     h, kv_head, layers = 4096, 128, 32
     layer = (2 * h * h + 3 * h * 14336) / 8 + 2 * h * kv_head + 2 * h  # q, o, MLP split; one KV head; norms

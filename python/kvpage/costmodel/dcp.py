@@ -93,6 +93,10 @@ class ParallelConfig:
         """The longest single sequence blocks_per_rank blocks on each rank hold: every block id full."""
         return blocks_per_rank * self.virtual_block_tokens
 
+    def sequences_that_fit(self, blocks_per_rank: int, seq_len: int) -> int:
+        """Sequences of seq_len tokens that blocks_per_rank block ids hold, each taking whole virtual blocks."""
+        return blocks_per_rank // -(-seq_len // self.virtual_block_tokens)
+
     def weight_bytes_per_rank(self, dtype_bytes: int) -> float:
         """Weights one rank holds: everything split T ways except the K/V projections (a rank keeps its
         whole KV heads, replicated past T = K) and the RMSNorms (replicated everywhere)."""
