@@ -172,7 +172,7 @@ def parallel_lines(pc: ParallelConfig, device: Device, w: Workload, dtype: int) 
             ("  query all-gather", f"{traffic.query_all_gather} B"),
             ("  outputs + LSE all-to-all", f"{traffic.output_all_to_all} B"),
             ("  over all layers", _bytes(traffic.total * m.num_layers)),
-            ("  beside TP's two all-reduces (ring)", f"{tp_all_reduce_bytes(pc, dtype, w.decode_batch_size):g} B"
+            ("  beside TP's two all-reduces (ring)", f"{tp_all_reduce_bytes(pc, dtype, w.decode_batch_size):.0f} B"
                                                      f" sent per rank per layer")]
     title = (f"== Tensor x decode context parallelism: TP={t}, DCP={d},"
              f" interleave {pc.dcp_kv_cache_interleave_size} ==")
