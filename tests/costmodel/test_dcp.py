@@ -8,7 +8,6 @@ import pytest
 from kvpage import cli
 from kvpage.costmodel import (ParallelConfig, capacity, dcp_traffic, from_hf_config, get_device, get_model,
                               kv_bytes_per_token, rank_capacity, tp_all_reduce_bytes)
-from kvpage.costmodel.plan import allowed_dcp_sizes
 
 LLAMA = get_model("llama-3-8b")  # 32 layers, 32 query heads, 8 KV heads of 128
 GEMMA = get_model("gemma-2b")  # 18 layers, 8 query heads, 1 KV head of 256 (MQA)
@@ -133,8 +132,9 @@ def test_allowed_sizes_are_what_the_rules_accept():
                 accepted.append(d)
             except ValueError:
                 pass
-        assert allowed_dcp_sizes(model, t) == accepted
-    assert allowed_dcp_sizes(LLAMA, 16) == [1, 2] and allowed_dcp_sizes(GEMMA, 8) == [1, 2, 4, 8]
+        assert ParallelConfig(model, t).allowed_dcp_sizes == accepted
+    assert ParallelConfig(LLAMA, 16).allowed_dcp_sizes == [1, 2]
+    assert ParallelConfig(GEMMA, 8).allowed_dcp_sizes == [1, 2, 4, 8]
 
 
 def _plan(capsys, *args) -> str:

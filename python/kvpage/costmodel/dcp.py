@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Device
-from .memory import _check_positive
+from .memory import check_positive
 from .model import ModelShape
 
 LSE_BYTES = 4  # the log-sum-exp travels in float32 whatever the KV dtype
@@ -30,7 +30,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
                      "block_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         self._check_tensor_parallel()
         self._check_decode_context_parallel()
         i, b = self.dcp_kv_cache_interleave_size, self.block_size
@@ -60,6 +60,11 @@ class ParallelConfig:
     def kv_head_replication(self) -> int:
         """Ranks holding copies of the same KV head: T/K once T exceeds the KV heads, else 1."""
         return max(1, self.tensor_parallel_size // self.model.num_kv_heads)
+
+    @property
+    def allowed_dcp_sizes(self) -> list[int]:
+        """The decode_context_parallel_size values the rules accept at this TP: divisors of T up to T/K."""
+        return [d for d in range(1, self.kv_head_replication + 1) if self.tensor_parallel_size % d == 0]
 
     @property
     def kv_heads_per_rank(self) -> int:

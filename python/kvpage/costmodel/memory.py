@@ -25,7 +25,7 @@ def kv_bytes_per_block(model: ModelShape, block_size: int, dtype_bytes: int = 2)
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
     """Logical blocks a sequence of num_tokens holds: a new one only once the last is full."""
-    _check_positive("block_size", block_size)
+    check_positive("block_size", block_size)
     return -(-num_tokens // block_size)
 
 
@@ -82,8 +82,8 @@ def kv_budget_bytes(model: ModelShape, device: Device, dtype_bytes: int, memory_
 def capacity(model: ModelShape, device: Device, context_len: int, mean_len: float, block_size: int = 16,
              dtype_bytes: int = 2, memory_utilization: float = 0.9) -> Capacity:
     """Sequences that fit in the KV budget with reservation for context_len vs with paging."""
-    _check_positive("context_len", context_len)
-    _check_positive("block_size", block_size)
+    check_positive("context_len", context_len)
+    check_positive("block_size", block_size)
     if not 0 < mean_len <= context_len:
         raise ValueError(f"mean_len must be in (0, context_len={context_len}], got {mean_len!r}")
     budget = kv_budget_bytes(model, device, dtype_bytes, memory_utilization)
@@ -98,6 +98,6 @@ def capacity(model: ModelShape, device: Device, context_len: int, mean_len: floa
                     paged_waste=1 - mean_len / paged)
 
 
-def _check_positive(name: str, value) -> None:
+def check_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

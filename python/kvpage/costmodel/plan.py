@@ -140,12 +140,6 @@ def plan_text(model: ModelShape, device: Device, w: Workload = Workload()) -> st
     return "\n".join(lines)
 
 
-def allowed_dcp_sizes(model: ModelShape, tensor_parallel_size: int) -> list[int]:
-    """The decode_context_parallel_size values the rules accept at this TP: divisors of T up to T/K."""
-    replication = max(1, tensor_parallel_size // model.num_kv_heads)
-    return [d for d in range(1, replication + 1) if tensor_parallel_size % d == 0]
-
-
 def parallel_lines(pc: ParallelConfig, device: Device, w: Workload, dtype: int) -> list[str]:
     """Per-rank KV under TP x DCP: what a rank stores per token, the context its budget holds, and what
     the DCP attention merge moves per decode step."""
@@ -157,7 +151,7 @@ def parallel_lines(pc: ParallelConfig, device: Device, w: Workload, dtype: int) 
     max_pos = f" (max_position_embeddings {m.max_position_embeddings})" if m.max_position_embeddings else ""
     rows = [("KV heads per rank", f"{pc.kv_heads_per_rank} of {m.num_kv_heads}; KV-head replication"
                                   f" {pc.kv_head_replication} (TP ranks holding the same head)"),
-            (f"DCP sizes the rules allow at TP={t}", ", ".join(map(str, allowed_dcp_sizes(m, t)))),
+            (f"DCP sizes the rules allow at TP={t}", ", ".join(map(str, pc.allowed_dcp_sizes))),
             ("KV bytes per token per rank", f"{per_token:g} B ({_bytes(per_token)})"),
             ("one block id covers", f"{pc.virtual_block_tokens} tokens, {pc.block_size} on each of {d} rank(s):"
                                     f" up to {pc.virtual_block_tokens - 1} unfilled per sequence"),
