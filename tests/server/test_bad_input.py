@@ -40,6 +40,7 @@ BAD = [
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),  # a lone surrogate: not UTF-8
 ]
 
 

@@ -6,6 +6,7 @@ import time
 from typing import AsyncIterator
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
+from kvpage.engine.prompt_inputs import chat_template_prompt, normalise_conversations
 
 from .engine_loop import EngineStepError
 from .errors import RequestError
@@ -30,11 +31,14 @@ def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation
     conversation = [{"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
                     for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        normalise_conversations(conversation)  # LLM.chat's checks: text that is not UTF-8 (lone surrogates), ...
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from None
+    try:
+        text, token_ids = chat_template_prompt(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # a template's raise_exception (roles out of order, ...) is jinja's TemplateError
         raise RequestError(f"messages: the chat template refused them: {e}", "messages") from None
-    return EnginePrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    return EnginePrompt(text, token_ids)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest) -> ChatAnswer:
