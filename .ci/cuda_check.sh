@@ -122,14 +122,11 @@ SCRATCH="$(mktemp -d /tmp/kvpage-cuda-build.XXXX)"
   (cd "$ROOT" && tar --exclude=./build --exclude='*.so' --exclude=./.git -cf - . | tar -xf - -C "$SCRATCH")
 export PATH="$(dirname "$NVCC"):$VENV/bin:$PATH"
 PREFIX="$("$PY" -c 'import torch,pybind11;print(torch.utils.cmake_prefix_path+";"+pybind11.get_cmake_dir())')"
-EXTRA=()
-# A pip torch finds its nvrtc in site-packages, not in a bare toolkit.
-NVRTC="$("$PY" -c 'import glob,nvidia,os;print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0],"*","lib","libnvrtc.so*")))),""))' 2>/dev/null || true)"
-[[ -n "$NVRTC" ]] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC" "-DCUDA_NVRTC_LIB=$NVRTC")
+# A bare toolkit has no libnvrtc: CMakeLists.txt takes the one of torch's pip package.
 ARCH_LIST="$(for a in $ARCHS; do printf '%s.%s;' "${a:0:-1}" "${a: -1}"; done)"
 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH_LIST%;}}" cmake -S "$SCRATCH" -B "$SCRATCH/build" -G Ninja \
   -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_CUDA_FLAGS="$CHECK_FLAGS" \
-  -DKVPAGE_OUTPUT_DIR="$SCRATCH/python/kvpage" "${EXTRA[@]}" >"$LOG/configure.txt" 2>&1 ||
+  -DKVPAGE_OUTPUT_DIR="$SCRATCH/python/kvpage" >"$LOG/configure.txt" 2>&1 ||
   { cat "$LOG/configure.txt" >&2; exit 1; }
 cmake --build "$SCRATCH/build" -j "${MAX_JOBS:-$JOBS}" >"$LOG/build.txt" 2>&1 ||
   { grep -v "ptxas info" "$LOG/build.txt" | tail -60 >&2; echo "cuda_check: extension build FAILED" >&2; exit 1; }

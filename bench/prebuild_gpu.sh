@@ -17,16 +17,15 @@ PY="$VENV/bin/python"
 [[ -x "$PY" ]] || { echo "prebuild_gpu: no venv at $VENV (see the header of $0)" >&2; exit 1; }
 export PATH="/usr/local/cuda/bin:$VENV/bin:$PATH"
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-# cmake must not import torch (its CUDA libraries need not load here): paths from the files.
+# cmake must not import torch (its CUDA libraries need not load here): paths from the files. libnvrtc,
+# which the bare toolkit lacks, CMakeLists.txt takes from torch's pip package (site-packages/nvidia).
 PREFIX="$SITE/torch/share/cmake;$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')"
-NVRTC="$(ls "$SITE"/nvidia/*/lib/libnvrtc.so* 2>/dev/null | sort | head -1)"
 BUILD="$ROOT/build/prebuild-gpu"
 OUTDIR="$ROOT/build/prebuild-gpu-out"
 mkdir -p "$OUTDIR" "$ROOT/.prebuilt"
 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S "$ROOT" -B "$BUILD" -G Ninja \
   -DCMAKE_PREFIX_PATH="$PREFIX" -DPython_EXECUTABLE="$PY" -DKVPAGE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_FLAGS="-Xptxas -v" -DKVPAGE_OUTPUT_DIR="$OUTDIR" \
-  ${NVRTC:+-DCUDA_nvrtc_LIBRARY=$NVRTC -DCUDA_NVRTC_LIB=$NVRTC} >"$BUILD.configure.log" 2>&1 ||
+  -DCMAKE_CUDA_FLAGS="-Xptxas -v" -DKVPAGE_OUTPUT_DIR="$OUTDIR" >"$BUILD.configure.log" 2>&1 ||
   { tail -40 "$BUILD.configure.log" >&2; exit 1; }
 cmake --build "$BUILD" -j "$(nproc)" >"$BUILD.log" 2>&1 || { grep -v "ptxas info" "$BUILD.log" | tail -60 >&2; exit 1; }
 rm -f "$ROOT"/.prebuilt/_C*.so

@@ -59,6 +59,8 @@ SCRIPTS = {
     "block_manager": (["bench/block_manager.py", "--quick"], "block_manager_quick.json"),
     # GPU only (bench/gpu_check.sh runs it there): here it must at least start.
     "kernels_cuda_help": (["bench/kernels_cuda.py", "--help"], None),
+    # GPU rows; without CUDA --quick runs the same code on the CPU with tiny models.
+    "engine_cuda": (["bench/engine_cuda.py", "--quick"], "engine_cuda_quick.json"),
 }
 # Modules the scripts import, not scripts; and vLLM's side, which runs in vLLM's own venv.
 NOT_SCRIPTS = {"bench/common.py", "bench/mathlab/_common.py", "bench/peers/vllm_peer.py",

@@ -12,6 +12,8 @@ from kvpage import SamplingParams
 # correct fp32 implementations (different summation orders): the comparison accepts either, says so,
 # and stops comparing that sequence (the paths differ from there on).
 TIE_TOLERANCE = 1e-4
+# The same for a bf16 model or a 16-bit cache: 8 bits of mantissa move logits by ~1e-2.
+BF16_TIE_TOLERANCE = 0.1
 MAX_TOKENS = 24
 
 _SYSTEM = "You are a helpful assistant. Answer briefly and precisely, in plain English. "
@@ -53,7 +55,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, processed:
     instead of the raw logits."""
     refs = []
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
                              return_dict_in_generate=True, **{"output_scores" if processed else "output_logits": True},
                              **kwargs)

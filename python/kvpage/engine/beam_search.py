@@ -82,7 +82,7 @@ def select(state: BeamSearchState, logits: torch.Tensor, beams: list[Sequence]) 
     logprobs = logits.float().log_softmax(dim=-1)
     vocab = logprobs.shape[1]
     # Before the first decode every beam is the prompt: only beam 0 counts (HF scores the others -1e9).
-    acc = (logprobs + torch.tensor(state.scores).unsqueeze(1)).reshape(-1)
+    acc = (logprobs + torch.tensor(state.scores, device=logprobs.device).unsqueeze(1)).reshape(-1)
     top_scores, top_idx = torch.topk(acc, k=min(state.keep, acc.numel()))
     cands = [(s, i // vocab, i % vocab) for s, i in zip(top_scores.tolist(), top_idx.tolist())]
     hits = [tok in state.stops or cur_len + 1 >= state.max_len for _, _, tok in cands]

@@ -89,17 +89,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sample rows")
-        logits = logits.float().cpu()
+        logits = logits.float()
         # Expand rows that fork into one row per sample, so every later op is one batched call.
         expand = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         if len(expand) != len(rows):
-            logits = logits[torch.tensor(expand)]
+            logits = logits[torch.tensor(expand, device=logits.device)]
         flat = [(rows[i], k) for i, k in _with_offsets(rows)]
         greedy = [j for j, (row, _) in enumerate(flat) if row.params.greedy]
         if len(greedy) == len(flat) and not _needs_more_than_argmax(rows):
-            # One fused pass: argmax and its log-softmax (argmax + gather + logsumexp otherwise).
+            # One fused pass: argmax and its log-softmax (argmax + gather + logsumexp otherwise), where the
+            # logits are: from a GPU only [rows] tokens and logprobs come back, not [rows, vocab] logits.
             tokens, logprobs = greedy_sample(logits)
             return _regroup(tokens.tolist(), logprobs.tolist(), rows)
+        # Everything else (processors, seeded generators, top-k/top-p) runs on the CPU, whose generators
+        # draw the same noise whatever device produced the logits.
+        logits = logits.cpu()
         tokens = self._sample(logits, flat, greedy)
         logprobs, top = _logprobs(logits, tokens, [row for row, _ in flat])
         return _regroup(tokens.tolist(), logprobs, rows, top)
