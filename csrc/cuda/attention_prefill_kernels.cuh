@@ -32,8 +32,6 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3. kWarps: 4, or 8 for a
 // grid short of a CTA per SM at head size 64 (launch_prefill_for_head).
 template <typename T, typename Cache, int HEAD, int kWarps = 4>
@@ -381,6 +379,9 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
       const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
       const int r = m0 + wrow + mi * 16 + g + 8 * h;
       if (r >= q_len) continue;
+      if (t == 0 && p.lse != nullptr) {
+        p.lse[int64_t(q_start + r) * p.num_heads + head] = natural_lse(row_max[mi][h], sum);
+      }
       T* out = static_cast<T*>(p.out) + int64_t(q_start + r) * p.out_row_stride + int64_t(head) * p.out_head_stride;
 #pragma unroll
       for (int i = 0; i < C::kOTiles; ++i) {
