@@ -18,9 +18,7 @@ def _lse_for(query, return_lse):
     """The float32 [num_tokens, num_heads] tensor the op fills with log-sum-exps, or None."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not return_lse:
-        return None
-    if query.dim() != 3:  # the op's own check names the shape
+    if not return_lse or query.dim() != 3:  # a bad query: the op's own check names its shape
         return None
     return torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
 
