@@ -159,6 +159,27 @@ CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query
   return cache;
 }
 
+float* check_lse(const std::optional<at::Tensor>& lse, const at::Tensor& out, const at::Tensor& query,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, const at::Tensor* query_start_loc) {
+  if (!lse.has_value()) return nullptr;
+  const at::Tensor& t = *lse;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "lse must have dtype float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == query.size(0) && t.size(1) == query.size(1),
+                    "lse must be [num_tokens, num_heads] = [", query.size(0), ", ", query.size(1), "], got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.device() == query.device(), "lse must be on the same device as query (", query.device(),
+                    "), got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "lse must be contiguous");
+  for (const auto& [other, name] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {&query, "query"},
+                                    {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                                    {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
+                                    {query_start_loc, "query_start_loc"}}) {
+    if (other != nullptr) check_disjoint(t, "lse", *other, name);
+  }
+  return t.data_ptr<float>();
+}
+
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
                   const CacheShape& cache) {
   TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),

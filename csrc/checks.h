@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,13 @@ CacheShape check_attention_inputs(const at::Tensor& out, const at::Tensor& query
                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double k_scale, double v_scale, bool float32_over_16bit = false);
+
+// An attention op's optional lse output: float32 [num_tokens, num_heads] (query's first two sizes),
+// contiguous, on query's device, sharing no memory with the op's other tensors (query_start_loc:
+// prefill's, or null). Returns its data, or null when lse is absent.
+float* check_lse(const std::optional<at::Tensor>& lse, const at::Tensor& out, const at::Tensor& query,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, const at::Tensor* query_start_loc = nullptr);
 
 // Decode: one query token per sequence; partition_size 0 (auto) or a multiple of block_size.
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,

@@ -26,17 +26,21 @@
   void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,   \
                          at::Tensor& value_cache, const at::Tensor& slot_mapping,                 \
                          bool check_ranges, double k_scale, double v_scale);                      \
-  /* Decode, one query token per sequence; partition_size 0 picks single-pass vs partitioned. */  \
+  /* Decode, one query token per sequence; partition_size 0 picks single-pass vs partitioned.     \
+     lse, when given (float32 [num_tokens, num_heads], contiguous), receives each row's natural   \
+     log of its softmax denominator, sum_j exp(scale * q.k_j), for merging partial results.   */  \
   void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,     \
                        const at::Tensor& value_cache, const at::Tensor& block_tables,            \
                        const at::Tensor& seq_lens, double scale, int64_t partition_size,         \
-                       bool check_ranges, double k_scale, double v_scale);                        \
-  /* Varlen causal prefill over the paged cache (chunked prefill, prefix hits). */               \
+                       bool check_ranges, double k_scale, double v_scale,                         \
+                       const std::optional<at::Tensor>& lse);                                     \
+  /* Varlen causal prefill over the paged cache (chunked prefill, prefix hits); lse as above,   \
+     over each query token's causal context. */                                                   \
   void paged_prefill_attention(at::Tensor& out, const at::Tensor& query,                         \
                                const at::Tensor& key_cache, const at::Tensor& value_cache,       \
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc, \
                                const at::Tensor& seq_lens, double scale, bool check_ranges,      \
-                               double k_scale, double v_scale);                                   \
+                               double k_scale, double v_scale, const std::optional<at::Tensor>& lse); \
   /* block_mapping int64 [n, 2] of (src, dst); every layer in one call. */                       \
   void copy_blocks(at::TensorList key_caches,                                                    \
                    at::TensorList value_caches, const at::Tensor& block_mapping,                 \

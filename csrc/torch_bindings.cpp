@@ -14,11 +14,11 @@ TORCH_LIBRARY(kvpage, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int partition_size=0, "
-      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0) -> ()");
+      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0) -> ()");
+      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
       "bool check_ranges=True) -> ()");

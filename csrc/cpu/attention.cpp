@@ -94,13 +94,15 @@ WorkSplit split_work(int64_t num_seqs, const ItemsOf& items_of) {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges, double k_scale, double v_scale) {
+                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
+  float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
-  const AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
-                                    k_scale, v_scale);
+  AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
+                              k_scale, v_scale);
+  a.lse = lse_data;
 
   DecodePlan plan{};
   plan.partition_size = choose_partition_size(a, partition_size);
@@ -133,15 +135,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             double scale, bool check_ranges, double k_scale, double v_scale) {
+                             double scale, bool check_ranges, double k_scale, double v_scale,
+                             const std::optional<at::Tensor>& lse) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            0, check_ranges, k_scale, v_scale);
   check_query_start_loc_tensor(query_start_loc, out, key_cache);
   check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  float* lse_data =
+      check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;
   AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                               k_scale, v_scale);
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.lse = lse_data;
 
   // A tile of query tokens times the GQA group: ~64 query rows, whose K/V reads (every item reads
   // its KV head's context once) then cost a 64th of a byte per multiply-add. A Llama-3-8B head of 128

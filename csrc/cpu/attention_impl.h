@@ -284,6 +284,12 @@ void store_normalised(const AttentionArgs& a, int64_t token, int64_t head, const
   store_from_float(a.dtype, tmp, static_cast<char*>(a.out) + elem * element_size(a.dtype), d);
 }
 
+// The natural log of a row's softmax denominator, sum exp(score), from its running max m and
+// sum l of exp(score - m): what merging partial results over disjoint keys needs (-inf: no keys).
+void store_lse(const AttentionArgs& a, int64_t token, int64_t head, float m, float l) {
+  if (a.lse != nullptr) a.lse[token * a.num_heads + head] = l > 0.f ? m + std::log(l) : -INFINITY;
+}
+
 // Tokens [begin, end) of sequence seq: partition `part`'s share.
 struct PartRange {
   int64_t seq, begin, end;
@@ -330,6 +336,7 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
     const int64_t head = kv_head * group + g;
     if (num_parts == 1) {
       store_normalised(a, seq, head, s.acc + g * d, s.l[g], s.kbuf);
+      store_lse(a, seq, head, s.m[g], s.l[g]);
       continue;
     }
     std::memcpy(p.tmp_out + (part * a.num_heads + head) * d, s.acc + g * d, sizeof(float) * d);
@@ -359,6 +366,7 @@ void decode_reduce(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int
     for (int64_t j = 0; j < d; ++j) acc[j] += w * part_out[j];
   }
   store_normalised(a, seq, head, acc, total, out);
+  store_lse(a, seq, head, global_max, total);
 }
 
 void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
@@ -376,8 +384,11 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   const int64_t end = rows.limit(rows.rows - 1) + 1;
   TilePrefetcher pf(item_tiles(a, PartRange{seq, 0, end}, kv_head), ItemTiles{}, false);
   attend(kv, rows, 0, end, s, pf);
-  for (int64_t r = 0; r < rows.rows; ++r)
-    store_normalised(a, tok0 + r / group, kv_head * group + r % group, s.acc + r * d, s.l[r], s.kbuf);
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    const int64_t token = tok0 + r / group, head = kv_head * group + r % group;
+    store_normalised(a, token, head, s.acc + r * d, s.l[r], s.kbuf);
+    store_lse(a, token, head, s.m[r], s.l[r]);
+  }
 }
 
 }  // namespace

@@ -81,11 +81,12 @@ at::Tensor llama_decoder_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor attn = at::empty(q.sizes(), q.options());
   if (max_query_len == 1) {  // one token per sequence: the decode kernel, which splits long contexts
     RECORD_FUNCTION("kvpage::paged_attention", std::vector<c10::IValue>());
-    paged_attention(attn, q_rot, key_cache, value_cache, block_tables, seq_lens, scale, 0, check_ranges, 1.0, 1.0);
+    paged_attention(attn, q_rot, key_cache, value_cache, block_tables, seq_lens, scale, 0, check_ranges, 1.0, 1.0,
+                    std::nullopt);
   } else {
     RECORD_FUNCTION("kvpage::paged_prefill_attention", std::vector<c10::IValue>());
     paged_prefill_attention(attn, q_rot, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                            check_ranges, 1.0, 1.0);
+                            check_ranges, 1.0, 1.0, std::nullopt);
   }
   const int64_t hidden_size = hidden.size(1);
   const at::Tensor x = hidden + linear(attn.view({tokens, -1}), weights[kO], hidden_size, bias_at(biases, kOBias));

@@ -29,6 +29,7 @@ struct AttentionArgs {
   const int32_t* query_start_loc;  // [num_seqs + 1], prefill only
   int64_t num_seqs;
   float scale;
+  float* lse;  // [rows, num_heads] contiguous: each row's log-sum-exp of scale * q.k, or null
 };
 
 // Decode work is (partition, kv head); a sequence of seq_len tokens owns ceil(seq_len / P)

@@ -17,7 +17,6 @@ namespace {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
-constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
@@ -242,6 +241,7 @@ __device__ __forceinline__ void store_merged(const AttentionParams& p, const Dec
     } else {
       T* out = static_cast<T*>(p.out) + c.row * p.out_row_stride + head * p.out_head_stride;
       out[d] = from_float<T>(l_all > 0.f ? o / l_all * p.v_scale : 0.f);
+      if (d == 0 && p.lse != nullptr) p.lse[int64_t(c.row) * p.num_heads + head] = natural_lse(m_all, l_all);
     }
   }
 }
@@ -274,6 +274,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float l_all = 0.f;
   for (int i = 0; i < num_parts; ++i) l_all += s_sum[i] * s_weight[i];
   const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[int64_t(row) * p.num_heads + head] = natural_lse(m_all, l_all);
 
   T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
   const float* partial = w.tmp_out + slot0 * p.head_size;

@@ -32,8 +32,6 @@ namespace kvpage {
 namespace cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // T: query / out and mma operand type (fp16 / bf16); Cache: T or Fp8E4M3. kWarps: 4, or 8 for a
 // grid short of a CTA per SM at head size 64 (launch_prefill_for_head).
 template <typename T, typename Cache, int HEAD, int kWarps = 4>
@@ -370,7 +368,11 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
   }
   cp_async_wait<0>();  // only empty groups remain, or, with no tile to attend, the Q copy
 
-  // Normalise and store the rows this tile owns.
+  // Normalise and store the rows this tile owns, and their lse (natural units). Two values locate
+  // the rows and the head is blockIdx.y read again: so the row maxima the lse keeps live past the
+  // loop fit in registers at head size 128 over fp8 (q_start and head were spilled across it).
+  const int first_row = q_start + m0 + wrow + g;   // the lane's first output row
+  const int rows_left = q_len - (m0 + wrow + g);   // rows of this sequence from first_row on
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -379,9 +381,11 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
-      const int r = m0 + wrow + mi * 16 + g + 8 * h;
-      if (r >= q_len) continue;
-      T* out = static_cast<T*>(p.out) + int64_t(q_start + r) * p.out_row_stride + int64_t(head) * p.out_head_stride;
+      const int local = mi * 16 + 8 * h;
+      if (local >= rows_left) continue;
+      const int64_t row = first_row + local;
+      if (t == 0 && p.lse != nullptr) p.lse[row * p.num_heads + blockIdx.y] = natural_lse(row_max[mi][h], sum);
+      T* out = static_cast<T*>(p.out) + row * p.out_row_stride + int64_t(blockIdx.y) * p.out_head_stride;
 #pragma unroll
       for (int i = 0; i < C::kOTiles; ++i) {
         const int d = i * 8 + 2 * t;

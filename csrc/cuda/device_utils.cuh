@@ -19,6 +19,15 @@ namespace kvpage {
 namespace cuda {
 
 constexpr int kWarpSize = 32;
+// The attention kernels keep logits in the log2 domain (q pre-scaled by scale * log2(e)).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// A row's log-sum-exp in natural units (AttentionParams::lse) from its log2-domain softmax state:
+// running max m and sum l of exp2(s - m); -inf where it saw no key.
+__device__ __forceinline__ float natural_lse(float m, float l) {
+  return l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

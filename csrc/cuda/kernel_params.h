@@ -45,6 +45,9 @@ struct AttentionParams {
   int num_seqs;
   int num_rows;                   // decode: num_seqs; prefill: total query tokens
   float scale;
+  // [num_rows, num_heads], contiguous, or nullptr: each row's natural log of sum_j exp(scale q.k_j)
+  // (-inf where it sees no key), for merging partial results over disjoint keys.
+  float* lse;
 };
 
 // Decode work split. partition_size == 0: one CTA per (row, kv head group) walks the whole

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -116,14 +117,16 @@ AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges, double k_scale, double v_scale) {
+                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
+  float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
+  p.lse = lse_data;
 
   const int64_t sms = num_sms();
   const DecodeOccupancy occupancy = decode_occupancy(p, shared_memory_per_sm());
@@ -148,7 +151,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             double scale, bool check_ranges, double k_scale, double v_scale) {
+                             double scale, bool check_ranges, double k_scale, double v_scale,
+                             const std::optional<at::Tensor>& lse) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            0, check_ranges, k_scale, v_scale);
   check_query_start_loc_tensor(query_start_loc, out, key_cache);
@@ -156,15 +160,19 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                     "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
                     " entries, got ", query_start_loc.size(0));
   if (check_ranges) check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  float* lse_data =
+      check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   if (seq_lens.size(0) == 0) {  // only reachable unchecked: tokens that belong to no sequence
     out.zero_();
+    if (lse.has_value()) lse->fill_(-INFINITY);  // and see no key
     return;
   }
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.lse = lse_data;
   if (prefill_uses_tensor_cores(p)) {
     // The tensor-core kernel stages Q with 16-byte copies; a misaligned view gets an aligned copy.
     at::Tensor q = query;

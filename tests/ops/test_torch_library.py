@@ -35,6 +35,14 @@ def opcheck_cases():
         "paged_prefill_attention": (kvpage_ops.paged_prefill_attention.default,
                                     (torch.empty_like(prefill_query), prefill_query, k, v, s["block_tables"],
                                      int32([0, 1, 1, 4]), s["seq_lens"], 0.125, True)),
+        # The optional lse output, which the schema marks as written (Tensor(b!)?).
+        "paged_attention_lse": (kvpage_ops.paged_attention.default,
+                                (torch.empty_like(query), query, k, v, s["block_tables"], s["seq_lens"], 0.125, 0,
+                                 True, 1.0, 1.0, torch.empty(3, 4))),
+        "paged_prefill_attention_lse": (kvpage_ops.paged_prefill_attention.default,
+                                        (torch.empty_like(prefill_query), prefill_query, k, v, s["block_tables"],
+                                         int32([0, 1, 1, 4]), s["seq_lens"], 0.125, True, 1.0, 1.0,
+                                         torch.empty(4, 4))),
         "reshape_and_cache": (kvpage_ops.reshape_and_cache.default,
                               (s["key"], s["value"], k, v, s["slot_mapping"], True)),
         "copy_blocks": (kvpage_ops.copy_blocks.default, ([k], [v], torch.tensor([[0, 5], [1, 6]]), True)),
@@ -43,8 +51,8 @@ def opcheck_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["paged_attention", "paged_prefill_attention", "reshape_and_cache",
-                                  "copy_blocks", "swap_blocks"])
+@pytest.mark.parametrize("name", ["paged_attention", "paged_prefill_attention", "paged_attention_lse",
+                                  "paged_prefill_attention_lse", "reshape_and_cache", "copy_blocks", "swap_blocks"])
 def test_opcheck(name):
     """Schema (mutation annotations match what the kernel writes), fake kernel, autograd
     registration and AOT dispatch, as torch.library checks them."""

@@ -12,12 +12,21 @@ ATTENTION_TOLERANCES = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 
+# Log-sum-exps are float32 whatever the dtype (the scores are, in kernel and reference alike): they
+# differ in the dot products' and sums' order and the kernels' exp, a few ulps of values up to ~10.
+LSE_TOLERANCE = dict(atol=5e-5, rtol=1e-5)
+
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def assert_attention_close(actual, expected):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, **ATTENTION_TOLERANCES[expected.dtype])
+
+
+def assert_lse_close(actual, expected):
+    assert actual.dtype == expected.dtype == torch.float32 and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **LSE_TOLERANCE)
 
 
 def assert_bit_exact(actual, expected):

@@ -6,9 +6,10 @@ from kvpage.ops._library import available_cpu_isas, built_with_cuda, cpu_isa, se
 from kvpage.ops.attention import paged_attention, paged_prefill_attention
 from kvpage.ops.cache import allocate_kv_cache, copy_blocks, reshape_and_cache, swap_blocks
 from kvpage.ops.config import range_checks, range_checks_enabled, set_range_checks
+from kvpage.ops.merge import merge_attention_states
 
 __all__ = [
-    "allocate_kv_cache", "reshape_and_cache", "paged_attention", "paged_prefill_attention",
+    "allocate_kv_cache", "reshape_and_cache", "paged_attention", "paged_prefill_attention", "merge_attention_states",
     "copy_blocks", "swap_blocks", "reference", "set_range_checks", "range_checks",
     "range_checks_enabled", "cpu_isa", "set_cpu_isa", "available_cpu_isas", "built_with_cuda", "layers",
 ]

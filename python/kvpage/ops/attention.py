@@ -14,8 +14,21 @@ def _prepare(query, key_cache, value_cache, out, names):
     return _checks.require_tensor(out, "out")
 
 
+def _lse_for(query, return_lse):
+    """The float32 [num_tokens, num_heads] tensor the op fills with log-sum-exps, or None."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not return_lse or query.dim() != 3:  # a bad query: the op's own check names its shape
+        return None
+    return torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+
+
+def _result(out, lse, return_lse):
+    return (out, lse) if return_lse else out
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None, *,
-                    partition_size=None, k_scale=1.0, v_scale=1.0):
+                    partition_size=None, k_scale=1.0, v_scale=1.0, return_lse=False):
     """Decode attention over the paged cache.
 
     query [num_seqs, num_heads, head_size]; block_tables int32 [num_seqs, max_blocks_per_seq];
@@ -23,8 +36,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     scale defaults to head_size ** -0.5. Long contexts are split into partitions and merged by a
     log-sum-exp reduction when that keeps more cores busy; partition_size (a multiple of the block
     size) forces a split, a value >= the longest sequence forces a single pass. An fp8 cache is read
-    as code * k_scale (keys) and code * v_scale (values); see reshape_and_cache."""
+    as code * k_scale (keys) and code * v_scale (values); see reshape_and_cache.
+
+    return_lse=True returns (out, lse): lse float32 [num_seqs, num_heads], the natural log of each
+    row's softmax denominator, sum over its context of exp(scale * q.k) (keys dequantised for fp8),
+    which merge_attention_states needs to combine results over disjoint parts of a context."""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
+    lse = _lse_for(query, return_lse)
     _checks.require_tensor(block_tables, "block_tables")
     _checks.require_tensor(seq_lens, "seq_lens")
     scale = _checks.default_scale(scale, query.shape[-1] if query.dim() else 1)
@@ -34,24 +52,26 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         raise ValueError(f"partition_size must be a positive int, got {partition_size!r}")
     ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                         partition_size, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
-                        _checks.kv_scale(v_scale, "v_scale"))
-    return out
+                        _checks.kv_scale(v_scale, "v_scale"), lse)
+    return _result(out, lse, return_lse)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None, out=None, *, k_scale=1.0, v_scale=1.0):
+                            scale=None, out=None, *, k_scale=1.0, v_scale=1.0, return_lse=False):
     """Varlen causal attention over the paged cache (prefill, chunked prefill, prefix-cache hits).
 
     query [total_query_tokens, num_heads, head_size]; query_start_loc int32 [num_seqs + 1];
     seq_lens int32 [num_seqs] = cached context + this step's tokens, whose K/V are already in the
     cache. Query token i of sequence s sits at position seq_lens[s] - q_len[s] + i and attends to
-    cache positions <= its own. fp8 caches as in paged_attention."""
+    cache positions <= its own. fp8 caches and return_lse as in paged_attention (lse float32
+    [total_query_tokens, num_heads], over each query token's causal context)."""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
+    lse = _lse_for(query, return_lse)
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
         _checks.require_tensor(t, name)
     scale = _checks.default_scale(scale, query.shape[-1] if query.dim() else 1)
     ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
                                 seq_lens, scale, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
-                                _checks.kv_scale(v_scale, "v_scale"))
-    return out
+                                _checks.kv_scale(v_scale, "v_scale"), lse)
+    return _result(out, lse, return_lse)

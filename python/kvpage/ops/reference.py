@@ -75,8 +75,9 @@ def gather_kv(cache, block_table, seq_len, scale=1.0):
     return tiles.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
 
 
-def attention(query, key, value, scale, query_positions):
-    """query [q, Hq, D]; key/value [k, Hkv, D]; query i sees keys at positions <= query_positions[i]."""
+def attention(query, key, value, scale, query_positions, return_lse=False):
+    """query [q, Hq, D]; key/value [k, Hkv, D]; query i sees keys at positions <= query_positions[i].
+    return_lse: also the natural log of each row's softmax denominator, float32 [q, Hq]."""
     group = query.shape[1] // key.shape[1]
     q = query.float().transpose(0, 1)  # [Hq, q, D]
     k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -85,25 +86,33 @@ def attention(query, key, value, scale, query_positions):
     key_positions = torch.arange(key.shape[0], device=query.device)
     visible = key_positions[None, :] <= query_positions[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
-    return (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)
+    out = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)
+    return (out, torch.logsumexp(scores, dim=-1).transpose(0, 1)) if return_lse else out
+
+
+def _with_lse(out, lse, return_lse):
+    return (out, lse) if return_lse else out
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, k_scale=1.0,
-                    v_scale=1.0):
+                    v_scale=1.0, return_lse=False):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     for s, seq_len in enumerate(seq_lens.tolist()):
         key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
         value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
         positions = torch.tensor([seq_len - 1], device=query.device)
-        out[s] = attention(query[s : s + 1], key, value, scale, positions)[0]
-    return out
+        o, row_lse = attention(query[s : s + 1], key, value, scale, positions, return_lse=True)
+        out[s], lse[s] = o[0], row_lse[0]
+    return _with_lse(out, lse, return_lse)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None, k_scale=1.0, v_scale=1.0):
+                            scale=None, k_scale=1.0, v_scale=1.0, return_lse=False):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
         q = query[starts[s] : starts[s + 1]]
@@ -112,8 +121,28 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
         value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
         positions = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
-        out[starts[s] : starts[s + 1]] = attention(q, key, value, scale, positions)
-    return out
+        out[starts[s] : starts[s + 1]], lse[starts[s] : starts[s + 1]] = attention(q, key, value, scale, positions,
+                                                                                 return_lse=True)
+    return _with_lse(out, lse, return_lse)
+
+
+def merge_attention_states(outputs, lses):
+    """outputs [P, T, H, D], lses [P, T, H]: attention over the union of the partials' disjoint key
+    sets, one row at a time. Each partial's softmax mass is exp(lse); a partial with lse -inf has
+    none, and its output (possibly garbage) is never read."""
+    P, T, H, _ = outputs.shape
+    out = torch.zeros(outputs.shape[1:], dtype=torch.float32, device=outputs.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=outputs.device)
+    for t in range(T):
+        for h in range(H):
+            live = [p for p in range(P) if lses[p, t, h] != float("-inf")]
+            if not live:
+                continue
+            row_lse = torch.logsumexp(lses[live, t, h].double(), dim=0)
+            for p in live:
+                out[t, h] += (torch.exp(lses[p, t, h].double() - row_lse) * outputs[p, t, h].double()).float()
+            lse[t, h] = row_lse.float()
+    return out.to(outputs.dtype), lse
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
