@@ -112,6 +112,10 @@ class TensorParallelExecutor:
         return self.plan.world_size
 
     @property
+    def dcp_size(self) -> int:
+        return self.session.group.dcp_size
+
+    @property
     def vocab_size(self) -> int:
         return self.plan.vocab_size
 
@@ -132,21 +136,23 @@ class TensorParallelExecutor:
 
     def kv_cache_bytes_per_block(self) -> int:
         """All ranks together (LLM's log line); a rank's own share is rank_bytes_per_block."""
-        return sum(self.rank_bytes_per_block(self.block_size))
+        return sum(self.rank_bytes_per_block(self.block_size // self.dcp_size))
 
     def min_free_device_bytes(self) -> int:
         return min(r.free_device_bytes for r in self.reports)
 
     def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                  cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest") -> None:
+                 matmul_precision: str = "highest", dcp_interleave: int = 1) -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
         cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES; weight_dtype: the
         ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard), as
-        is matmul_precision."""
+        is matmul_precision. block_size: a rank's physical block; under decode context parallelism the
+        scheduler's blocks are block_size * dcp_size tokens (virtual_block_size), dcp_interleave
+        positions at a time on each rank of the group."""
         own = None if cache_dtype == self.model.dtype else cache_dtype
         h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, own,
-                                     weight_dtype, matmul_precision)
+                                     weight_dtype, matmul_precision, dcp_interleave)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]
@@ -155,7 +161,7 @@ class TensorParallelExecutor:
             self.shutdown()
             raise RuntimeError(f"tensor-parallel ranks {failed} could not allocate their KV cache of {num_kv_blocks}"
                                f" blocks (see their output above); try a smaller num_kv_blocks")
-        self.block_size = block_size
+        self.block_size = block_size * self.dcp_size
         self.cache_dtype = self.runner.cache_dtype
         self.kv_cache_bytes = sizes
 
@@ -231,12 +237,13 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
-def launch(model_arg, model, world_size: int) -> TensorParallelExecutor:
+def launch(model_arg, model, world_size: int, dcp_size: int = 1) -> TensorParallelExecutor:
     """Start tensor parallelism for an LLM whose (full) model is loaded in this process.
 
     Without a launcher: spawn world_size - 1 local workers. Under torchrun (RANK / WORLD_SIZE set): rank 0
     returns the executor; every other rank serves the driver's steps until it shuts down, then exits
-    the process (SystemExit(0)) - so the rest of the script runs on rank 0 only.
+    the process (SystemExit(0)) - so the rest of the script runs on rank 0 only. dcp_size: the
+    decode-context-parallel group size (checked by the caller: kvpage.core.context_parallel).
     """
     check_shardable(model)
     env = torchrun_env()
@@ -244,8 +251,8 @@ def launch(model_arg, model, world_size: int) -> TensorParallelExecutor:
         if env.world_size != world_size:
             raise ValueError(f"tensor_parallel_size={world_size}, but torchrun started {env.world_size} processes"
                              f" (WORLD_SIZE); they must be equal")
-        return _launch_torchrun(model_arg, model, world_size, env)
-    return _launch_local(model_arg, model, world_size)
+        return _launch_torchrun(model_arg, model, world_size, env, dcp_size)
+    return _launch_local(model_arg, model, world_size, dcp_size)
 
 
 def _own_copy(model_arg, model):
@@ -259,7 +266,7 @@ def _device_type(model) -> str:
     return next(model.parameters()).device.type
 
 
-def _launch_local(model_arg, model, world_size: int) -> TensorParallelExecutor:
+def _launch_local(model_arg, model, world_size: int, dcp_size: int) -> TensorParallelExecutor:
     device_type = _device_type(model)
     plan = ShardPlan.build(model.config, world_size, vocab_size=model.get_input_embeddings().weight.shape[0])
     session = _Session()
@@ -271,7 +278,8 @@ def _launch_local(model_arg, model, world_size: int) -> TensorParallelExecutor:
         session.store = rendezvous_store("127.0.0.1", 0, world_size, is_master=True, timeout_s=startup)
         store = dist.PrefixStore(prefix, session.store)
         specs = [WorkerSpec(rank, world_size, "127.0.0.1", session.store.port, prefix, source,
-                            str(model.dtype).removeprefix("torch."), device_type, threads, os.getpid(), startup)
+                            str(model.dtype).removeprefix("torch."), device_type, threads, os.getpid(), startup,
+                            dcp_size)
                  for rank in range(1, world_size)]
         session.workers = WorkerProcesses(specs)
         if device_type == "cpu":
@@ -281,7 +289,7 @@ def _launch_local(model_arg, model, world_size: int) -> TensorParallelExecutor:
         shard, _ = shard_for_rank(_own_copy(model_arg, model), world_size, 0, device)
         session.workers.wait_ready(store, startup)
         session.remove_tmp()
-        session.group = init_group(store, 0, world_size, device, driver_timeout_s())
+        session.group = init_group(store, 0, world_size, device, driver_timeout_s(), dcp_size)
         set_process_group(shard, session.group.model)
         return TensorParallelExecutor(shard, plan, session, exchange_reports(shard, session.group))
     except BaseException:
@@ -290,14 +298,15 @@ def _launch_local(model_arg, model, world_size: int) -> TensorParallelExecutor:
         raise
 
 
-def _launch_torchrun(model_arg, model, world_size: int, env) -> TensorParallelExecutor:
+def _launch_torchrun(model_arg, model, world_size: int, env, dcp_size: int) -> TensorParallelExecutor:
     device = device_for(_device_type(model), env.local_rank)
     own = _own_copy(model_arg, model) if env.rank == 0 else model
     shard, plan = shard_for_rank(own, world_size, env.rank, device)
     tcp = torchrun_store(env, startup_timeout_s())
     # The job's store outlives this LLM: a fresh namespace per LLM (ranks build their LLMs in the same order).
     store = dist.PrefixStore(f"kvpage/{next(_instances)}/", tcp)
-    group = init_group(store, env.rank, world_size, device, driver_timeout_s() if env.rank == 0 else WORKER_TIMEOUT_S)
+    group = init_group(store, env.rank, world_size, device, driver_timeout_s() if env.rank == 0 else WORKER_TIMEOUT_S,
+                       dcp_size)
     set_process_group(shard, group.model)
     if env.rank != 0:
         try:

@@ -110,6 +110,10 @@ class Collectives:
         self.backend.allgather(outs, [t]).wait()
         return outs[0]
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Equal slices of dim 0: slice j of t goes to rank j, and out's slice i comes from rank i."""
+        self.backend.alltoall_base(out, t, [], [], dist.AllToAllOptions()).wait()
+
     def shutdown(self) -> None:
         """Release the backend's connections (peers blocked on us then fail instead of waiting)."""
         for name in ("shutdown", "abort"):
@@ -132,12 +136,21 @@ class TPGroup:
     device: torch.device
     control: Collectives  # gloo: step broadcasts and start-up handshakes
     model: Collectives  # the model's all-reduces and logits gather
+    dcp: Collectives | None = None  # this rank's decode-context-parallel group (ranks sharing its KV heads)
+    dcp_size: int = 1
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's index in its DCP group: groups are runs of dcp_size consecutive ranks."""
+        return self.rank % self.dcp_size
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     def destroy(self) -> None:
+        if self.dcp is not None and self.dcp.backend is not None:
+            self.dcp.shutdown()
         if self.model is not self.control and self.model.backend is not None:
             self.model.shutdown()
         if self.control.backend is not None:
@@ -151,15 +164,25 @@ def device_for(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float) -> TPGroup:
-    """Create this LLM's groups on `store` (every rank calls it, with the same store namespace)."""
+def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float,
+               dcp_size: int = 1) -> TPGroup:
+    """Create this LLM's groups on `store` (every rank calls it, with the same store namespace); with
+    dcp_size > 1 also this rank's DCP group, ranks [g * dcp_size, (g + 1) * dcp_size)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     control = Collectives(dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout),
                           rank, world_size)
-    model = control
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        model = Collectives(dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, options),
-                            rank, world_size)
-    return TPGroup(rank, world_size, device, control, model)
+    model = control if device.type != "cuda" else _model_group(store, "nccl/", rank, world_size, device, timeout)
+    dcp = None
+    if dcp_size > 1:
+        prefix = f"dcp{rank // dcp_size}/"
+        dcp = (_model_group(store, prefix, rank % dcp_size, dcp_size, device, timeout) if device.type == "cuda" else
+               Collectives(dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank % dcp_size, dcp_size, timeout),
+                           rank % dcp_size, dcp_size))
+    return TPGroup(rank, world_size, device, control, model, dcp, dcp_size)
+
+
+def _model_group(store, prefix: str, rank: int, size: int, device: torch.device, timeout) -> Collectives:
+    """NCCL collectives among `size` ranks on the store's `prefix` namespace."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return Collectives(dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options), rank, size)

@@ -35,6 +35,7 @@ class WorkerSpec:
     num_threads: int  # torch intra-op threads
     parent_pid: int
     startup_timeout_s: float
+    dcp_size: int = 1  # decode_context_parallel_size
 
 
 def threads_per_rank(world_size: int) -> int:

@@ -55,11 +55,23 @@ def allocate(model, h: torch.Tensor, group: TPGroup):
         runner = ModelRunner(model, int(h[protocol.NUM_KV_BLOCKS]), int(h[protocol.BLOCK_SIZE]), model.dtype,
                              int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads,
                              kv_cache_dtype=protocol.cache_dtype_of(h), weight_dtype=protocol.weight_dtype_of(h),
-                             matmul_precision=protocol.matmul_precision_of(h))
+                             matmul_precision=protocol.matmul_precision_of(h),
+                             context_parallel=_context_parallel(group, h))
         mine = [_nbytes(runner.kv_caches), _nbytes(runner.host_kv_caches)]
     except (RuntimeError, ValueError, MemoryError):
         traceback.print_exc()
     return runner, [tuple(row) for row in _all_gather_ints(mine, group)]
+
+
+def _context_parallel(group: TPGroup, h: torch.Tensor):
+    """This rank's part of its DCP group, or None without decode context parallelism."""
+    if group.dcp_size == 1:
+        return None
+    from kvpage.core.context_parallel import ContextParallelPlacement
+    from kvpage.model.context_parallel import ContextParallelAttention
+
+    placement = ContextParallelPlacement(group.dcp_size, int(h[protocol.DCP_INTERLEAVE]), int(h[protocol.BLOCK_SIZE]))
+    return ContextParallelAttention(placement, group.dcp_rank, group.dcp)
 
 
 def _nbytes(caches) -> int:
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         store.set(f"failed/{spec.rank}", traceback.format_exc())
         raise
     store.set(f"ready/{spec.rank}", "1")
-    group = init_group(store, spec.rank, spec.world_size, device, WORKER_TIMEOUT_S)
+    group = init_group(store, spec.rank, spec.world_size, device, WORKER_TIMEOUT_S, spec.dcp_size)
     set_process_group(model, group.model)
     try:
         with torch.inference_mode():

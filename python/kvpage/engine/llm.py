@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from kvpage.core.context_parallel import check_context_parallel
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
@@ -36,7 +37,8 @@ class LLM:
                  swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
                  tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
                  matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, decode_context_parallel_size: int = 1,
+                 dcp_kv_cache_interleave_size: int = 1) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -52,6 +54,10 @@ class LLM:
         max_model_len (vLLM's): the context limit (prompt + output), at most the model's own; None: the model's.
         enforce_eager (vLLM's): no CUDA graphs; on a GPU, decode steps of kvpage's own forward otherwise
         replay a graph captured per batch-size bucket (kvpage.model.cuda_graphs).
+        decode_context_parallel_size (vLLM's, D): where tensor_parallel_size exceeds the model's KV heads,
+        the D ranks holding the same KV heads each keep every D-th run of dcp_kv_cache_interleave_size
+        positions instead of a copy of all of them: D times the tokens in the same per-rank KV budget
+        (kvpage.core.context_parallel; block_size stays a rank's block, the scheduler's is D times it).
         Calls from several threads are safe: they run one at a time."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
@@ -71,6 +77,10 @@ class LLM:
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
+        for name, value in (("decode_context_parallel_size", decode_context_parallel_size),
+                            ("dcp_kv_cache_interleave_size", dcp_kv_cache_interleave_size)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
@@ -93,13 +103,18 @@ class LLM:
         context_limit = _context_limit(config, max_model_len)
         max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.tensor_parallel_size = tensor_parallel_size
+        self.decode_context_parallel_size = decode_context_parallel_size
+        check_context_parallel(tensor_parallel_size, decode_context_parallel_size, dcp_kv_cache_interleave_size,
+                               block_size, config.num_attention_heads,
+                               getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         swap_gib = 0.0
         if preemption_mode != "recompute":
             swap_gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
         if tensor_parallel_size > 1:
             # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
             self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib,
-                                                      weight_storage, matmul_precision)
+                                                      weight_storage, matmul_precision, decode_context_parallel_size,
+                                                      dcp_kv_cache_interleave_size)
             self.model = self.runner.model
             num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
         else:
@@ -110,14 +125,17 @@ class LLM:
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
                                       kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage,
                                       matmul_precision=matmul_precision, cuda_graphs=graphs)
+        # Under DCP one block id holds block_size tokens on each of the group's D ranks.
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
-            num_kv_blocks=num_kv_blocks, block_size=block_size, num_host_blocks=num_host_blocks,
+            num_kv_blocks=num_kv_blocks, block_size=block_size * decode_context_parallel_size,
+            num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs, max_model_len=context_limit, preemption_mode=preemption_mode,
             eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
-                    " pool %d blocks", num_kv_blocks, block_size, num_kv_blocks * block_size,
+                    " pool %d blocks", num_kv_blocks, block_size * decode_context_parallel_size,
+                    num_kv_blocks * block_size * decode_context_parallel_size,
                     num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
         self._counter = itertools.count()
         # One call at a time owns the engine: a second thread waits rather than stepping into its state.
@@ -152,13 +170,14 @@ class LLM:
         return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype)
 
     def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
-                               swap_gib: float, weight_dtype=None, matmul_precision: str = "highest"):
+                               swap_gib: float, weight_dtype=None, matmul_precision: str = "highest",
+                               dcp_size: int = 1, dcp_interleave: int = 1):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
         and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
         as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
         from kvpage.distributed import launch
 
-        executor = launch(model_arg, self.model, size)
+        executor = launch(model_arg, self.model, size, dcp_size)
         try:
             per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype))
             if num_kv_blocks is None:
@@ -166,7 +185,7 @@ class LLM:
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
-                              weight_dtype, matmul_precision)
+                              weight_dtype, matmul_precision, dcp_interleave)
         except BaseException:
             executor.shutdown()
             raise
@@ -281,6 +300,9 @@ class LLM:
             self._settle()
             stats = self.llm_engine.stats()
         stats["tensor_parallel_size"] = self.tensor_parallel_size
+        stats["decode_context_parallel_size"] = self.decode_context_parallel_size
+        # Every rank holds one physical block per block id in use (a DCP group's ranks, each its share of it).
+        stats["kv_blocks_used_per_rank"] = [stats["kv_blocks_used"]] * self.tensor_parallel_size
         if self.tensor_parallel_size > 1:
             stats["kv_cache_bytes_per_rank"] = [device for device, _ in self.runner.kv_cache_bytes]
         else:

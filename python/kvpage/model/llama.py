@@ -133,6 +133,8 @@ class DecoderLayer:
     scale: float
     reduce_o: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: the all-reduces
     reduce_down: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Write + attend: the paged ops, or a DCP rank's share of the group's attention (context_parallel.py).
+    attention: Callable[..., torch.Tensor] = paged_attention_forward
 
     @classmethod
     def of(cls, layer: torch.nn.Module, config) -> "DecoderLayer":
@@ -149,7 +151,8 @@ class DecoderLayer:
 
     @property
     def is_sharded(self) -> bool:
-        return self.reduce_o is not None or self.reduce_down is not None
+        """Runs collectives, so it stays composed (FusedCpuLayer has none)."""
+        return self.reduce_o is not None or self.reduce_down is not None or self.attention is not paged_attention_forward
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache) -> torch.Tensor:
@@ -158,7 +161,7 @@ class DecoderLayer:
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv(layers.rms_norm(x, self.input_norm,
                                                                                      self.epsilons[0])))
         q, k = layers.rotary_embedding(q, k, cos, sin)
-        attn = paged_attention_forward(q, k, v, *kv_cache, meta, scale=self.scale)
+        attn = self.attention(q, k, v, *kv_cache, meta, scale=self.scale)
         x = x + _reduced(self.o(attn.reshape(tokens, -1))[0], self.reduce_o)
         gate, up = self.gate_up(layers.rms_norm(x, self.post_norm, self.epsilons[1]))
         return x + _reduced(self.down(layers.silu_and_mul(gate, up))[0], self.reduce_down)
@@ -218,14 +221,17 @@ class LlamaForward:
     @classmethod
     @torch.inference_mode()
     def build(cls, model: torch.nn.Module, slab_dtype: torch.dtype = torch.float32, bf16_dot: bool = False,
-              fused_cpu_layers: bool = True) -> "LlamaForward":
+              fused_cpu_layers: bool = True, attention: Callable[..., torch.Tensor] | None = None) -> "LlamaForward":
         """From a Llama-family HF model (llama_family_mismatch(model.config) is None), or a tensor-parallel
         shard of one. slab_dtype / bf16_dot: the slabs' storage on the float32 CPU backend (pack_slabs).
         fused_cpu_layers=False keeps that backend's layers composed (each kernel its own op call, as a
-        shard's are: for profiling, and for tests that hold the two to the same bits)."""
+        shard's are: for profiling, and for tests that hold the two to the same bits). attention: every
+        layer's write + attend in place of the paged ops (a decode-context-parallel rank's)."""
         config, base = model.config, model.base_model
         head = model.get_output_embeddings()
         decoder = [DecoderLayer.of(layer, config) for layer in base.layers]
+        if attention is not None:
+            decoder = [replace(layer, attention=attention) for layer in decoder]
         lm_head = Linear.of(head)
         if uses_slab_backend(model):
             linears = [lin for layer in decoder for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [lm_head]

@@ -24,6 +24,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: sequence s owns tokens [qsl[s], qsl[s + 1])
     max_query_len: int  # the longest sequence's share of this step's tokens
     max_seq_len: int  # the longest seq_lens entry (kept as an int: reading the tensor would sync)
+    # Decode context parallelism: this rank's slots and attention rows (model/context_parallel.py), else None.
+    context_parallel: object | None = None
 
     @property
     def num_seqs(self) -> int:

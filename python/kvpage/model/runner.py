@@ -16,6 +16,7 @@ from kvpage.core.scheduler_output import logits_rows
 
 from .attention import HFForward, head_dim_of, validate_config
 from .cpu_layout import round_weights
+from .context_parallel import ContextParallelAttention
 from .cuda_graphs import CudaGraphConfig, DecodeGraphs
 from .llama import LlamaForward, llama_family_mismatch
 from .loader import set_kvpage_attention
@@ -151,11 +152,16 @@ def check_runner_dtypes(model, dtype: torch.dtype, cache_dtype: torch.dtype, wei
                          f" (convert the model with model.to({dtype}))")
 
 
-def build_forward(model, weight_dtype: torch.dtype | None, matmul_precision: str) -> LlamaForward | HFForward:
+def build_forward(model, weight_dtype: torch.dtype | None, matmul_precision: str,
+                  context_parallel: ContextParallelAttention | None = None) -> LlamaForward | HFForward:
     """kvpage's own forward where it implements the model's config (llama.py); else transformers'
-    modules with kvpage's attention function."""
-    if llama_family_mismatch(model.config) is None:
-        return LlamaForward.build(model, weight_dtype or torch.float32, bf16_dot=matmul_precision == "medium")
+    modules with kvpage's attention function. Decode context parallelism needs kvpage's own."""
+    mismatch = llama_family_mismatch(model.config)
+    if mismatch is None:
+        return LlamaForward.build(model, weight_dtype or torch.float32, bf16_dot=matmul_precision == "medium",
+                                  attention=context_parallel)
+    if context_parallel is not None:
+        raise ValueError(f"decode_context_parallel_size > 1 needs a Llama-family model: {mismatch}")
     return HFForward(model)
 
 
@@ -170,14 +176,17 @@ class ModelRunner:
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
                  num_host_blocks: int = 0, num_kv_heads: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest", cuda_graphs: CudaGraphConfig | None = None) -> None:
+                 matmul_precision: str = "highest", cuda_graphs: CudaGraphConfig | None = None,
+                 context_parallel: ContextParallelAttention | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
         model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
         CPU (see KV_CACHE_DTYPES). weight_dtype: None, or bfloat16 / float16 for a float32 model on CPU:
         its weights are rounded to it in place and its linears packed in it (see WEIGHT_DTYPES).
         matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS).
-        cuda_graphs: where decode steps replay CUDA graphs (a GPU, kvpage's own forward); None: eager."""
+        cuda_graphs: where decode steps replay CUDA graphs (a GPU, kvpage's own forward); None: eager.
+        context_parallel: this rank's part of a decode-context-parallel group (steps then arrive in virtual
+        blocks of block_size * group size tokens; see context_parallel.py), or None."""
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
         check_runner_dtypes(model, self.dtype, self.cache_dtype, weight_dtype, matmul_precision)
@@ -187,7 +196,8 @@ class ModelRunner:
         self.weight_dtype, self.matmul_precision = weight_dtype or self.dtype, matmul_precision
         if weight_dtype is not None:
             round_weights(model, weight_dtype)
-        self.forward = build_forward(model, weight_dtype, matmul_precision)
+        self.context_parallel = context_parallel
+        self.forward = build_forward(model, weight_dtype, matmul_precision, context_parallel)
         _SERVED_MODELS.add(model)
         self.block_size = block_size
         self.num_kv_blocks, self.num_host_blocks = num_kv_blocks, num_host_blocks
@@ -255,6 +265,8 @@ class ModelRunner:
         self._move_blocks(blocks)
         if metadata is None:
             return None
+        if self.context_parallel is not None:
+            metadata = self.context_parallel.localize(metadata, positions)
         hidden = self.forward(input_ids.reshape(-1), positions.reshape(-1), metadata, self.kv_caches)
         if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
             return None
