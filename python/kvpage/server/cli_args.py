@@ -32,6 +32,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", type=_positive, default=1)
+    p.add_argument("--decode-context-parallel-size", type=_positive, default=1,
+                   help="ranks sharing KV heads split each sequence's positions instead (divides the TP size)")
+    p.add_argument("--dcp-kv-cache-interleave-size", type=_positive, default=1,
+                   help="consecutive positions kept on one DCP rank (divides --block-size)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"), default="auto")
     p.add_argument("--num-kv-blocks", type=_positive, default=None, help="KV-cache blocks (default: 1 GiB on CPU)")
     p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto")
@@ -62,7 +66,9 @@ def run_server(args) -> None:
                      tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                      kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
                      matmul_precision=args.matmul_precision, max_model_len=args.max_model_len,
-                     enforce_eager=args.enforce_eager)
+                     enforce_eager=args.enforce_eager,
+                     decode_context_parallel_size=args.decode_context_parallel_size,
+                     dcp_kv_cache_interleave_size=args.dcp_kv_cache_interleave_size)
     try:
         app = build_app(llm, model_name(args), api_key=args.api_key,
                         max_waiting_requests=args.max_waiting_requests)
