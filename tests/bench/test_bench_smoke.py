@@ -27,6 +27,7 @@ pytestmark = pytest.mark.smoke
 # name -> (command line after `python`, what it writes under $OUT). Slowest first: two run at a time.
 SCRIPTS = {
     "tp": (["bench/tp.py", "--quick", "--model", TINY], "tp_quick.json"),
+    "dcp": (["bench/dcp.py", "--quick"], "dcp_quick.json"),
     "engine": (["bench/engine.py", "--quick", "--vllm", "--no-hf", "--model", TINY], "engine_quick.json"),
     "hf_dropin": (["bench/hf_dropin.py", "--quick", "--model", TINY], "hf_dropin_quick.json"),
     "kv_cache_dtype": (["bench/kv_cache_dtype.py", "--quick", "--model", TINY], "kv_cache_dtype_quick.json"),
