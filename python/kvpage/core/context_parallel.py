@@ -1,0 +1,68 @@
+"""Where a sequence's token positions live under decode context parallelism (DCP), as the driver accounts them.
+
+Under tensor parallelism a model with K KV heads on T > K ranks holds each KV head T / K times over. DCP turns
+that replication into capacity: the D ranks of a DCP group share the same KV heads, and each keeps only the
+positions p with (p // I) % D == its DCP rank (I: the interleave size). As in vLLM, the block manager sees
+one *virtual* block of block_size * D tokens per block id, and that id names one block_size block on every
+rank of the group: the pool, ref counts, prefix cache, copy-on-write and swap all stay as they are, and each
+rank turns the driver's virtual slots into its own (model/context_parallel.py). Pure arithmetic, no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ContextParallelPlacement:
+    size: int  # D: ranks in a DCP group
+    interleave: int  # I: consecutive positions kept together on one rank (vLLM's dcp_kv_cache_interleave_size)
+    block_size: int  # a rank's physical block, in tokens
+
+    @property
+    def virtual_block_size(self) -> int:
+        """Tokens one block id holds across the group: the block manager's block size."""
+        return self.block_size * self.size
+
+    def rank_of(self, position: int) -> int:
+        return (position // self.interleave) % self.size
+
+    def tokens_on_rank(self, length: int, rank: int) -> int:
+        """How many of positions [0, length) live on `rank`."""
+        cycle = self.interleave * self.size
+        return (length // cycle) * self.interleave + min(max(length % cycle - rank * self.interleave, 0),
+                                                         self.interleave)
+
+    def local_slot(self, slot: int, rank: int) -> int:
+        """The physical slot on `rank` of virtual slot `slot` (block id * virtual block size + offset), or
+        -1 when that position lives on another rank."""
+        block, offset = divmod(slot, self.virtual_block_size)
+        chunk, within = divmod(offset, self.interleave)
+        if chunk % self.size != rank:
+            return -1
+        return block * self.block_size + (chunk // self.size) * self.interleave + within
+
+
+def check_context_parallel(tensor_parallel_size: int, decode_context_parallel_size, dcp_kv_cache_interleave_size,
+                           block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """vLLM's rules, as ValueErrors naming the argument: D divides T, D uses only the KV-head replication
+    (T / K ranks hold each KV head; a DCP group must lie inside one such run), and I divides block_size.
+    Also the ranks sharing a KV head must hold equally many query heads (the group gathers them side by side)."""
+    d, i = decode_context_parallel_size, dcp_kv_cache_interleave_size
+    for name, value in (("decode_context_parallel_size", d), ("dcp_kv_cache_interleave_size", i)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if block_size % i:
+        raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={block_size}")
+    if d == 1:
+        return
+    if tensor_parallel_size % d:
+        raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={tensor_parallel_size}")
+    replicas = tensor_parallel_size // num_kv_heads if tensor_parallel_size % num_kv_heads == 0 else 0
+    if replicas < d or replicas % d:
+        raise ValueError(f"decode_context_parallel_size={d} needs each of the model's {num_kv_heads} KV heads held by"
+                         f" a multiple of {d} tensor-parallel ranks: tensor_parallel_size={tensor_parallel_size} must"
+                         f" be a multiple of num_kv_heads * {d} = {num_kv_heads * d}")
+    if (num_heads // num_kv_heads) % replicas:
+        raise ValueError(f"decode_context_parallel_size={d}: the {num_heads // num_kv_heads} query heads of each KV head"
+                         f" do not split evenly over the {replicas} ranks that hold it at tensor_parallel_size="
+                         f"{tensor_parallel_size}")
