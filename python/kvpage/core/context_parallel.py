@@ -53,16 +53,17 @@ def check_context_parallel(tensor_parallel_size: int, decode_context_parallel_si
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if block_size % i:
         raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={block_size}")
-    if d == 1:
-        return
-    if tensor_parallel_size % d:
-        raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={tensor_parallel_size}")
-    replicas = tensor_parallel_size // num_kv_heads if tensor_parallel_size % num_kv_heads == 0 else 0
-    if replicas < d or replicas % d:
-        raise ValueError(f"decode_context_parallel_size={d} needs each of the model's {num_kv_heads} KV heads held by"
-                         f" a multiple of {d} tensor-parallel ranks: tensor_parallel_size={tensor_parallel_size} must"
-                         f" be a multiple of num_kv_heads * {d} = {num_kv_heads * d}")
-    if (num_heads // num_kv_heads) % replicas:
-        raise ValueError(f"decode_context_parallel_size={d}: the {num_heads // num_kv_heads} query heads of each KV head"
-                         f" do not split evenly over the {replicas} ranks that hold it at tensor_parallel_size="
-                         f"{tensor_parallel_size}")
+    t, k = tensor_parallel_size, num_kv_heads
+    if t % d:
+        raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={t}")
+    replication = max(1, t // k)
+    if d > replication:
+        raise ValueError(f"decode_context_parallel_size={d} exceeds the KV-head replication tensor_parallel_size /"
+                         f" num_kv_heads = {t} / {k} (at most {replication}): DCP only splits KV heads that tensor"
+                         f" parallelism replicates")
+    if d > 1 and (t % k or replication % d):
+        raise ValueError(f"decode_context_parallel_size={d} must divide the KV-head replication tensor_parallel_size /"
+                         f" num_kv_heads = {t} / {k}: each DCP group lies within the ranks that hold one KV head")
+    if d > 1 and (num_heads // k) % replication:
+        raise ValueError(f"decode_context_parallel_size={d}: the {num_heads // k} query heads of each KV head do not"
+                         f" split evenly over the {replication} ranks that hold it at tensor_parallel_size={t}")

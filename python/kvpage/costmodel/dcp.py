@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.core.context_parallel import check_context_parallel
+
 from .device import Device
 from .memory import check_positive
 from .model import ModelShape
@@ -33,9 +35,6 @@ class ParallelConfig:
             check_positive(name, getattr(self, name))
         self._check_tensor_parallel()
         self._check_decode_context_parallel()
-        i, b = self.dcp_kv_cache_interleave_size, self.block_size
-        if i > b or b % i:
-            raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={b} (1 up to block_size)")
 
     def _check_tensor_parallel(self) -> None:
         """Even head splits, so every rank's numbers are the same: query heads divide by T, and either
@@ -48,13 +47,10 @@ class ParallelConfig:
                              f" a multiple of them")
 
     def _check_decode_context_parallel(self) -> None:
-        t, d = self.tensor_parallel_size, self.decode_context_parallel_size
-        if t % d:
-            raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={t}")
-        if d > self.kv_head_replication:
-            raise ValueError(f"decode_context_parallel_size={d} exceeds the KV-head replication"
-                             f" tensor_parallel_size / num_kv_heads = {t} / {self.model.num_kv_heads}"
-                             f" (at most {self.kv_head_replication}): DCP only splits replicated KV heads")
+        """The engine's own rules (kvpage.core.context_parallel), so the plan refuses what LLM refuses."""
+        m = self.model
+        check_context_parallel(self.tensor_parallel_size, self.decode_context_parallel_size,
+                               self.dcp_kv_cache_interleave_size, self.block_size, m.num_heads, m.num_kv_heads)
 
     @property
     def kv_head_replication(self) -> int:
