@@ -100,6 +100,7 @@ def main():
         if not args.no_hf and r == 0 and not matches_hf(llm, work[0], work[2], new_beams):
             sys.exit("the beams differ from HF generate(num_beams=k)")
         pairs.append((old, new, sampling_s))
+        print(f"round {r}: old {old:.2f} s (sampling {sampling_s:.2f} s), new {new:.2f} s, {old / new:.2f}x", flush=True)
     ratios = [old / new for old, new, _ in pairs]
     columns = ["round", "old s", "of which sampling s", "new s", "old/new", "bound old/sampling"]
     common.print_table([dict(zip(columns, (i, f"{o:.2f}", f"{s:.2f}", f"{n:.2f}", f"{o / n:.2f}x", f"{o / s:.2f}x")))
