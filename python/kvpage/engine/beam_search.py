@@ -85,7 +85,10 @@ def select_beams(searches: list[tuple[BeamSearchState, list[Sequence], list[int]
     All the requests' beams go through one log-softmax, and requests with as many beams through one
     top-k: row by row the same arithmetic as HF's (one request at a time), at a step's cost of a few
     ops instead of a few per request, which under load each pay for waking every thread."""
-    order = sorted(range(len(searches)), key=lambda i: (len(searches[i][1]), searches[i][0].keep))
+    def shape(i: int) -> tuple[int, int]:  # requests of one shape share a top-k
+        return len(searches[i][1]), searches[i][0].keep
+
+    order = sorted(range(len(searches)), key=shape)
     index = torch.tensor([r for i in order for r in searches[i][2]], dtype=torch.long, device=logits.device)
     scores = torch.tensor([s for i in order for s in searches[i][0].scores], device=logits.device)
     # HF's beam scores: each beam's running sum plus its log-softmax.
@@ -93,9 +96,8 @@ def select_beams(searches: list[tuple[BeamSearchState, list[Sequence], list[int]
     vocab = acc.shape[1]
     results: list = [None] * len(searches)
     start = 0
-    for _, group in groupby(order, key=lambda i: (len(searches[i][1]), searches[i][0].keep)):
+    for (num_beams, keep), group in groupby(order, key=shape):
         group = list(group)
-        num_beams, keep = len(searches[group[0]][1]), searches[group[0]][0].keep
         rows = acc[start:start + len(group) * num_beams].view(len(group), num_beams * vocab)
         start += len(group) * num_beams
         # Before the first decode every beam is the prompt: only beam 0 counts (HF scores the others -1e9).
