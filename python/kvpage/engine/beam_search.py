@@ -7,12 +7,13 @@ The selection rules are transformers' `_beam_search` (early_stopping=False): kee
 continuations; those that end (eos, stop id, length) among the first k enter the finished list
 scored sum_logprob / generated_len ** length_penalty; the best k that do not end keep running;
 stop once no running beam can beat the worst finished one (HF's heuristic), so the output matches
-HF token for token. `select` changes nothing: the engine keeps its result once the step commits.
+HF token for token. `select_beams` changes nothing: the engine keeps its result once the step commits.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 import torch
 
@@ -75,16 +76,42 @@ def new_beam_search(params: SamplingParams, prompt_len: int, max_model_len: int 
                            check_max_model_len(prompt_len, params.max_tokens, max_model_len), frozenset(stops))
 
 
-def select(state: BeamSearchState, logits: torch.Tensor, beams: list[Sequence]) -> tuple[BeamSearchState, BeamStep]:
-    """One HF iteration over the running `beams` (logits: one row each, in that order): the new
-    state and the step for the scheduler, which ends the request once HF would stop."""
+def select_beams(searches: list[tuple[BeamSearchState, list[Sequence], list[int]]],
+                 logits: torch.Tensor) -> list[tuple[BeamSearchState, BeamStep]]:
+    """One HF iteration for each beam request whose beams sampled this step: (state, running beams,
+    their rows in `logits`) in, (new state, step for the scheduler) out, in the same order. The
+    scheduler ends a request once HF would stop.
+
+    All the requests' beams go through one log-softmax, and requests with as many beams through one
+    top-k: row by row the same arithmetic as HF's (one request at a time), at a step's cost of a few
+    ops instead of a few per request, which under load each pay for waking every thread."""
+    def shape(i: int) -> tuple[int, int]:  # requests of one shape share a top-k
+        return len(searches[i][1]), searches[i][0].keep
+
+    order = sorted(range(len(searches)), key=shape)
+    index = torch.tensor([r for i in order for r in searches[i][2]], dtype=torch.long, device=logits.device)
+    scores = torch.tensor([s for i in order for s in searches[i][0].scores], device=logits.device)
+    # HF's beam scores: each beam's running sum plus its log-softmax.
+    acc = logits[index].float().log_softmax(dim=-1).add_(scores.unsqueeze(1))
+    vocab = acc.shape[1]
+    results: list = [None] * len(searches)
+    start = 0
+    for (num_beams, keep), group in groupby(order, key=shape):
+        group = list(group)
+        rows = acc[start:start + len(group) * num_beams].view(len(group), num_beams * vocab)
+        start += len(group) * num_beams
+        # Before the first decode every beam is the prompt: only beam 0 counts (HF scores the others -1e9).
+        top_scores, top_idx = torch.topk(rows, k=min(keep, rows.shape[1]), dim=1)
+        for i, row_scores, row_idx in zip(group, top_scores.tolist(), top_idx.tolist()):
+            cands = [(s, j // vocab, j % vocab) for s, j in zip(row_scores, row_idx)]
+            results[i] = _next_beams(searches[i][0], cands, searches[i][1])
+    return results
+
+
+def _next_beams(state: BeamSearchState, cands: list[tuple[float, int, int]],
+                beams: list[Sequence]) -> tuple[BeamSearchState, BeamStep]:
+    """From the top candidates (score, beam, token), best first: the finished list and the next beams."""
     cur_len = beams[0].num_tokens
-    logprobs = logits.float().log_softmax(dim=-1)
-    vocab = logprobs.shape[1]
-    # Before the first decode every beam is the prompt: only beam 0 counts (HF scores the others -1e9).
-    acc = (logprobs + torch.tensor(state.scores, device=logprobs.device).unsqueeze(1)).reshape(-1)
-    top_scores, top_idx = torch.topk(acc, k=min(state.keep, acc.numel()))
-    cands = [(s, i // vocab, i % vocab) for s, i in zip(top_scores.tolist(), top_idx.tolist())]
     hits = [tok in state.stops or cur_len + 1 >= state.max_len for _, _, tok in cands]
     finished = _update_finished(state, beams, cands, hits, cur_len)
     masked = torch.tensor([s + (_NEG if h else 0.0) for (s, _, _), h in zip(cands, hits)])

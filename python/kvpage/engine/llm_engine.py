@@ -15,7 +15,7 @@ import torch
 from kvpage.core import BeamStep, BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 from kvpage.core.interrupts import deferred_interrupts
 
-from .beam_search import BeamSearchState, beam_output, new_beam_search, select
+from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .logits_processors import bad_words_token_ids
@@ -315,22 +315,23 @@ class LLMEngine:
     def _plain_logits(self, rows, logits: torch.Tensor) -> torch.Tensor:
         """The logits of the rows the sampler draws from (all but beam requests')."""
         keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]
-        if len(keep) == len(rows):
-            return logits[:len(rows)]
+        if not keep or keep[-1] - keep[0] == len(keep) - 1:
+            # One run of rows (beam requests admitted before or after the others): a view, no copy.
+            return logits[keep[0]:keep[-1] + 1] if keep else logits[:0]
         return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def _select_beams(self, rows, logits: torch.Tensor) -> dict[str, tuple[BeamSearchState, BeamStep]]:
         """Each beam request whose beams sampled: its next state and the scheduler's BeamStep."""
         row_of = {s.seq_id: i for i, s in enumerate(rows)}
-        found = {}
+        searches = {}
         for rid in dict.fromkeys(s.request_id for s in rows):
             state = self._states[rid]
-            if state.beam is None:
-                continue
-            beams = state.request.live_seqs()  # the order of state.beam.scores
-            index = torch.tensor([row_of[seq.seq_id] for seq in beams], dtype=torch.long, device=logits.device)
-            found[rid] = select(state.beam, logits[index], beams)
-        return found
+            if state.beam is not None:
+                beams = state.request.live_seqs()  # the order of state.beam.scores
+                searches[rid] = (state.beam, beams, [row_of[seq.seq_id] for seq in beams])
+        if not searches:
+            return {}
+        return dict(zip(searches, select_beams(list(searches.values()), logits)))
 
     def _record_beams(self, beams: dict[str, tuple[BeamSearchState, BeamStep]]) -> None:
         now = time.perf_counter()
