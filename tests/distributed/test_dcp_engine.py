@@ -58,14 +58,15 @@ def test_mqa_tp2_dcp2_prefix_chunked_preempted(mode):
 
 def test_gqa_tp4_dcp2_interleaved_with_copy_on_write():
     """8 query / 2 KV heads at TP=4: two DCP groups of two ranks, one per KV head, positions 4 at a time. Beam
-    search and n > 1 share blocks by copy-on-write: every rank copies its own share of a shared block."""
+    search and n > 1 share blocks by copy-on-write: every rank copies its own share of a shared block. Chunked
+    prefill, prefix-cache hits and preemption under a small cache too."""
     model = tiny_llama(seed=5, num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=128)
     prompts = random_prompts([3, 8, 21, 50], seed=6)
     beam = SamplingParams(beam_width=2, max_tokens=6)
     sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8)
     tp1 = kvpage.LLM(model=model, num_kv_blocks=256)
     want = [tp1.generate(prompts, p, use_tqdm=False) for p in (GREEDY, beam, sampled)]
-    dcp = kvpage.LLM(model=model, block_size=8, num_kv_blocks=16, max_num_batched_tokens=32, tensor_parallel_size=4,
+    dcp = kvpage.LLM(model=model, block_size=8, num_kv_blocks=12, max_num_batched_tokens=32, tensor_parallel_size=4,
                      decode_context_parallel_size=2, dcp_kv_cache_interleave_size=4)
     try:
         got = [dcp.generate(prompts, p, use_tqdm=False) for p in (GREEDY, beam, sampled)]
@@ -76,6 +77,8 @@ def test_gqa_tp4_dcp2_interleaved_with_copy_on_write():
     for w, g in zip(want[1] + want[2], got[1] + got[2]):  # beams and seeded samples: the same tokens
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
     assert stats["num_copy_on_write"] > 0 and len(stats["kv_blocks_used_per_rank"]) == 4
+    # 12 blocks of 2 x 8 tokens preempt; the second and third calls find the prompts' full blocks cached.
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("kwargs,name", [
