@@ -42,21 +42,33 @@ class ContextParallelPlacement:
         return block * self.block_size + (chunk // self.size) * self.interleave + within
 
 
-def check_context_parallel(tensor_parallel_size: int, decode_context_parallel_size, dcp_kv_cache_interleave_size,
-                           block_size: int, num_heads: int, num_kv_heads: int) -> None:
-    """vLLM's rules, as ValueErrors naming the argument: D divides T, D uses only the KV-head replication
-    (T / K ranks hold each KV head; a DCP group must lie inside one such run), and I divides block_size.
-    Also the ranks sharing a KV head must hold equally many query heads (the group gathers them side by side)."""
+def kv_head_replication(tensor_parallel_size: int, num_kv_heads: int) -> int:
+    """Tensor-parallel ranks holding copies of the same KV head: T / K once T exceeds the KV heads, else 1."""
+    return max(1, tensor_parallel_size // num_kv_heads)
+
+
+def check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size: int) -> None:
+    """The rules that need no model (LLM checks them before loading one): D and I positive ints, I
+    dividing block_size. ValueErrors naming the argument."""
     d, i = decode_context_parallel_size, dcp_kv_cache_interleave_size
     for name, value in (("decode_context_parallel_size", d), ("dcp_kv_cache_interleave_size", i)):
         if type(value) is not int or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if block_size % i:
         raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={block_size}")
+
+
+def check_context_parallel(tensor_parallel_size: int, decode_context_parallel_size, dcp_kv_cache_interleave_size,
+                           block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """vLLM's rules, as ValueErrors naming the argument: D divides T, D uses only the KV-head replication
+    (T / K ranks hold each KV head; a DCP group must lie inside one such run), and I divides block_size.
+    Also the ranks sharing a KV head must hold equally many query heads (the group gathers them side by side)."""
+    check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size)
+    d = decode_context_parallel_size
     t, k = tensor_parallel_size, num_kv_heads
     if t % d:
         raise ValueError(f"decode_context_parallel_size={d} must divide tensor_parallel_size={t}")
-    replication = max(1, t // k)
+    replication = kv_head_replication(t, k)
     if d > replication:
         raise ValueError(f"decode_context_parallel_size={d} exceeds the KV-head replication tensor_parallel_size /"
                          f" num_kv_heads = {t} / {k} (at most {replication}): DCP only splits KV heads that tensor"

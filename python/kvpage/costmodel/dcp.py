@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpage.core.context_parallel import check_context_parallel
+from kvpage.core.context_parallel import ContextParallelPlacement, check_context_parallel, kv_head_replication
 
 from .device import Device
 from .memory import check_positive
@@ -55,7 +55,13 @@ class ParallelConfig:
     @property
     def kv_head_replication(self) -> int:
         """Ranks holding copies of the same KV head: T/K once T exceeds the KV heads, else 1."""
-        return max(1, self.tensor_parallel_size // self.model.num_kv_heads)
+        return kv_head_replication(self.tensor_parallel_size, self.model.num_kv_heads)
+
+    @property
+    def placement(self) -> ContextParallelPlacement:
+        """Where positions live, as the engine's driver places them."""
+        return ContextParallelPlacement(self.decode_context_parallel_size, self.dcp_kv_cache_interleave_size,
+                                        self.block_size)
 
     @property
     def allowed_dcp_sizes(self) -> list[int]:
@@ -73,7 +79,7 @@ class ParallelConfig:
     @property
     def virtual_block_tokens(self) -> int:
         """Tokens one block id covers: a block_size block on each rank of the DCP group (vLLM's layout)."""
-        return self.block_size * self.decode_context_parallel_size
+        return self.placement.virtual_block_size
 
     def rank_block_bytes(self, dtype_bytes: int) -> int:
         """One physical block on one rank: block_size positions of this rank's KV heads, K and V, all layers."""
@@ -86,9 +92,7 @@ class ParallelConfig:
 
     def tokens_on_rank(self, num_tokens: int, rank: int) -> int:
         """How many of positions 0..num_tokens-1 land on DCP rank `rank` ((p // I) % D == rank)."""
-        i, d = self.dcp_kv_cache_interleave_size, self.decode_context_parallel_size
-        full, rest = divmod(num_tokens, i * d)
-        return full * i + min(i, max(0, rest - rank * i))
+        return self.placement.tokens_on_rank(num_tokens, rank)
 
     def max_context_tokens(self, blocks_per_rank: int) -> int:
         """The longest single sequence blocks_per_rank blocks on each rank hold: every block id full."""

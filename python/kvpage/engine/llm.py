@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvpage.core.context_parallel import check_context_parallel
+from kvpage.core.context_parallel import check_context_parallel, check_dcp_sizes
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
@@ -77,10 +77,7 @@ class LLM:
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
-        for name, value in (("decode_context_parallel_size", decode_context_parallel_size),
-                            ("dcp_kv_cache_interleave_size", dcp_kv_cache_interleave_size)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size)
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
