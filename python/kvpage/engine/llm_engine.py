@@ -251,13 +251,14 @@ class LLMEngine:
             self.num_steps += 1
             self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
             rows = [s for s in out.scheduled if s.do_sample]
-            plain = [s for s in rows if self._states[s.request_id].beam is None]
+            keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]  # not beam search
+            plain = [rows[i] for i in keep]
             sample_rows, result, prompt_logprobs, beams = [], None, [], {}
             self._check_progress(out)
             if not out.is_empty:
                 started = time.perf_counter()
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
-                sample_rows, result = self._sample(plain, self._plain_logits(rows, logits))
+                sample_rows, result = self._sample(plain, _rows_of(logits, keep))
                 beams = self._select_beams(rows, logits)
                 record_step_time(self.cost_model, out, started)
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
@@ -311,14 +312,6 @@ class LLMEngine:
             return [], None
         sample_rows = [self._sample_row(self._states[s.request_id], s) for s in rows]
         return sample_rows, self.sampler(logits, sample_rows)
-
-    def _plain_logits(self, rows, logits: torch.Tensor) -> torch.Tensor:
-        """The logits of the rows the sampler draws from (all but beam requests')."""
-        keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]
-        if not keep or keep[-1] - keep[0] == len(keep) - 1:
-            # One run of rows (beam requests admitted before or after the others): a view, no copy.
-            return logits[keep[0]:keep[-1] + 1] if keep else logits[:0]
-        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def _select_beams(self, rows, logits: torch.Tensor) -> dict[str, tuple[BeamSearchState, BeamStep]]:
         """Each beam request whose beams sampled: its next state and the scheduler's BeamStep."""
@@ -524,3 +517,11 @@ class LLMEngine:
     def _mean_request_tokens(self, num_finished: int) -> float | None:
         num_requests = num_finished + len(self._states)
         return (self.num_prompt_tokens + self.num_generation_tokens) / num_requests if num_requests else None
+
+
+def _rows_of(logits: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """logits[keep]: a view, no copy, where keep is one run of rows (beam requests admitted before or after
+    the others)."""
+    if not keep or keep[-1] - keep[0] == len(keep) - 1:
+        return logits[keep[0]:keep[-1] + 1] if keep else logits[:0]
+    return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
