@@ -50,3 +50,17 @@ def test_serve_flags_reach_the_server(tmp_path, model, tok):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_serve_decode_context_parallel_flags_reach_the_llm(tmp_path, model, tok):
+    """The DCP flags are the LLM's arguments: sizes its rules refuse end the command with status 2 and an
+    error naming the argument (before any worker starts)."""
+    directory = tmp_path / "tiny"
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    for flags, name in ((["--dcp-kv-cache-interleave-size", "3"], "dcp_kv_cache_interleave_size"),
+                        (["--decode-context-parallel-size", "2"], "decode_context_parallel_size")):
+        done = subprocess.run([sys.executable, "-m", "kvpage", "serve", str(directory), "--port", str(_free_port()),
+                               "--num-kv-blocks", "64", *flags], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and name in done.stderr, done.stderr
