@@ -9,6 +9,11 @@ would otherwise find them all cached by the first.
 
     python bench/beam_search.py           # 8 beam + 56 sampling requests, 32 tokens each, 2 rounds
     python bench/beam_search.py --quick   # 2 beam + 6 sampling, 4 tokens, 1 round: a smoke run
+    python bench/beam_search.py --bf16 --matmul-precision medium   # 16-bit weights, bf16 dot products
+
+The speed-up cannot pass old / (old's sampling part), which the table prints as the bound: where a
+56-row decode step is compute-bound (fp32 on a few cores) the beams' rows cost their FLOPs either way;
+where it is bound by reading the weights (a GPU, AMX) they ride along almost free.
 """
 import argparse
 import statistics
@@ -79,12 +84,18 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2 beam + 6 sampling, 4 tokens, 1 round (smoke run)")
     parser.add_argument("--no-hf", action="store_true", help="skip the check against HF generate(num_beams=k)")
+    parser.add_argument("--bf16", action="store_true", help="weights and KV cache in bfloat16 (weight_dtype and"
+                        " kv_cache_dtype), as bench/engine.py --bf16")
+    parser.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
+                        help="kvpage's matmul_precision (medium: bf16 dot products where the CPU has AVX512-BF16;"
+                             " with AMX a 56-row decode step stops being compute-bound)")
     common.add_model_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.beam, args.sampling, args.tg, args.rounds = 2, 6, 4, 1
-    llm = kvpage.LLM(model=args.model, enable_prefix_caching=False,
-                     **(common.QUICK_ENGINE_ARGS if args.quick else {}))
+    storage = dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16") if args.bf16 else {}
+    llm = kvpage.LLM(model=args.model, enable_prefix_caching=False, matmul_precision=args.matmul_precision,
+                     **storage, **(common.QUICK_ENGINE_ARGS if args.quick else {}))
     run_new(llm, *workload(llm.tokenizer, 1, 2, args.pp, 4, args.beam_width, 99))  # warm-up
     pairs = []
     for r in range(args.rounds):
@@ -107,7 +118,8 @@ def main():
                         for i, (o, n, s) in enumerate(pairs)], columns)
     print(f"speed-up (median): {statistics.median(ratios):.2f}x;"
           f" bound (median): {statistics.median(o / s for o, _, s in pairs):.2f}x")
-    common.write_json("beam_search_quick" if args.quick else "beam_search", {
+    common.write_json(("beam_search_quick" if args.quick else "beam_search") + ("_bf16" if args.bf16 else ""), {
+        "bf16": args.bf16, "matmul_precision": args.matmul_precision,
         "beam": args.beam, "sampling": args.sampling, "beam_width": args.beam_width, "pp": args.pp, "tg": args.tg,
         "old_s": [p[0] for p in pairs], "new_s": [p[1] for p in pairs], "old_sampling_s": [p[2] for p in pairs],
         "speedup_median": statistics.median(ratios),

@@ -1,4 +1,4 @@
-"""kvpage's engine on a GPU against HF on the same GPU, in one run: issue 35's four targets.
+"""kvpage's engine on a GPU against HF on the same GPU, in one run: issue 35's four targets and issue 34's beam target.
 
   python bench/engine_cuda.py                  # every row (~4 min on an H200, inside --budget)
   python bench/engine_cuda.py --rows decode_smollm2,prefix_ttft_8b --rounds 3
@@ -15,6 +15,9 @@ bf16; nothing is downloaded):
 - throughput_8b: 256 requests of 512 random prompt tokens and 256 output tokens each (greedy, no eos),
   Llama-3-8B shape: kvpage against HF `generate_batch` (transformers' continuous batching, its manager
   kept between rounds so only the first, untimed call sizes and warms it), output tokens/s.
+- beam_smollm2 (issue 34's target, where decode is not compute-bound): 8 beam-search requests (width 4)
+  with 56 sampling requests in one generate, against the 56 and then each beam request alone, SmolLM2
+  shape (bench/beam_search.py's runs).
 - prefix_ttft_8b: 64 requests sharing a 2,048-token prefix (each with 16 tokens of its own, 1 output
   token), Llama-3-8B shape: time to first token with prefix caching against without (a fresh prefix
   every round, so the cached run computes it once).
@@ -68,14 +71,18 @@ class Sizes:
     prefix_requests: int = 64
     prefix_len: int = 2048
     suffix_len: int = 16
+    beam_requests: int = 8
+    beam_sampling: int = 56
+    beam_len: int = 32  # prompt and max_tokens of every request in beam_smollm2
 
 
 QUICK_SIZES = Sizes(decode_prompt=8, decode_tokens=8, num_requests=4, prompt_len=16, output_len=8, prefix_requests=4,
-                    prefix_len=64, suffix_len=4)
+                    prefix_len=64, suffix_len=4, beam_requests=2, beam_sampling=6, beam_len=4)
 # name -> (seconds it may take at most, seconds reserved for it while earlier rows run)
 # Rows run in this order: throughput_8b, the longest (HF's continuous batching), last, where it gets what is left;
 # decode_smollm2's box holds HF static generate's first call, which torch.compiles its forward.
-ROW_CAPS = {"decode_8b": (60, 30), "prefix_ttft_8b": (60, 30), "decode_smollm2": (150, 60), "throughput_8b": (300, 90)}
+ROW_CAPS = {"decode_8b": (60, 30), "prefix_ttft_8b": (60, 30), "decode_smollm2": (150, 60), "beam_smollm2": (40, 15),
+            "throughput_8b": (300, 90)}
 
 
 class RowTimeout(BaseException):
@@ -306,6 +313,43 @@ def _summarize_decode_smollm2(row: dict) -> None:
     row["ratio"] = row["graphs_vs_hf_static"]
 
 
+def beam_smollm2(run: Run, row: dict) -> None:
+    """Issue 34's beam target on a GPU, bench/beam_search.py's two runs: 8 beam requests (width 4) in one
+    generate with 56 sampling requests ("new"), against the 56 and then each beam request alone ("old")."""
+    import beam_search
+
+    model = run.model("smollm2", SMOLLM2)
+    s = run.sizes
+    llm = _llm(run, model, enable_prefix_caching=False, num_kv_blocks=1024)  # both runs compute every prompt
+    beam = SamplingParams(beam_width=4, max_tokens=s.beam_len)
+    sampling = SamplingParams(temperature=0.8, seed=0, max_tokens=s.beam_len, ignore_eos=True)
+    n = s.beam_requests
+
+    def work(r):
+        prompts = [random_ids(s.beam_len, model.config.vocab_size, 1000 * r + i) for i in range(n + s.beam_sampling)]
+        return prompts[:n], prompts[n:], beam, sampling
+
+    beam_search.run_new(llm, *work(99))  # warm-up
+    row["target"] = ">= 3x (old / new time)"
+
+    def measure(r):
+        runs = {}
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            runs[name] = getattr(beam_search, f"run_{name}")(llm, *work(r))
+        (old_s, old_beams, sampling_s), (new_s, new_beams, _) = runs["old"], runs["new"]
+        # Random weights leave near-ties that batch shapes may flip: reported, not required.
+        return {"old_s": old_s, "old_sampling_s": sampling_s, "new_s": new_s, "beams_equal": old_beams == new_beams}
+
+    timed_rounds(run, row, measure, _summarize_beam)
+
+
+def _summarize_beam(row: dict) -> None:
+    for key in ("old_s", "old_sampling_s", "new_s"):
+        row[key] = median(row["rounds"], key)
+    row["beams_equal"] = all(r["beams_equal"] for r in row["rounds"])
+    row["ratio"] = row["old_s"] / row["new_s"]
+
+
 def throughput_8b(run: Run, row: dict) -> None:
     model = run.model("llama3_8b", LLAMA3_8B)
     s = run.sizes
@@ -371,7 +415,7 @@ def _summarize_prefix_ttft(row: dict) -> None:
 
 
 ROWS = {"decode_8b": decode_8b, "prefix_ttft_8b": prefix_ttft_8b, "decode_smollm2": decode_smollm2,
-        "throughput_8b": throughput_8b}
+        "beam_smollm2": beam_smollm2, "throughput_8b": throughput_8b}
 
 
 def _alarm(signum, frame):

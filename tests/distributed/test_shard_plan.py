@@ -8,7 +8,7 @@ import torch
 
 import kvpage
 from kvpage.distributed import protocol
-from kvpage.model import ModelInput, ModelRunner, SequenceInput
+from kvpage.model import ModelInput, SequenceInput
 from kvpage.model.tensor_parallel import ShardPlan
 
 from tp_helpers import random_prompts, tiny_llama
@@ -82,25 +82,28 @@ def test_models_it_cannot_shard_are_refused_before_any_process_starts(monkeypatc
         kvpage.LLM(model=olmo2, tensor_parallel_size=2, num_kv_blocks=8)
 
 
-def test_unpacked_step_is_the_runners_own_flat_batch():
-    """What every rank runs from the broadcast equals what ModelRunner._prepare builds at TP=1."""
+def test_unpacked_step_is_the_flat_batch():
+    """What every rank runs from the broadcast: the sequences' tokens back to back, with their positions,
+    slots, padded block tables and the rows whose logits come back, in the dtypes the kernels take."""
     prompts = random_prompts([7, 20, 3])
-    seqs = [SequenceInput(prompts[0], 0, [4, 5], [4 * 16 + i for i in range(7)]),
-            SequenceInput(prompts[1][-2:], 18, [0, 1], [16 + 2, 16 + 3], do_sample=False),
-            SequenceInput(prompts[2], 0, [9], [9 * 16 + i for i in range(3)])]
+    slots = [[4 * 16 + i for i in range(7)], [16 + 2, 16 + 3], [9 * 16 + i for i in range(3)]]
+    seqs = [SequenceInput(prompts[0], 0, [4, 5], slots[0]),
+            SequenceInput(prompts[1][-2:], 18, [0, 1], slots[1], do_sample=False),
+            SequenceInput(prompts[2], 0, [9], slots[2])]
     batch = ModelInput(seqs, blocks_to_swap_out=[(2, 0)], blocks_to_swap_in=[(1, 3)], blocks_to_copy=[(5, 6), (7, 8)])
-    runner = ModelRunner(tiny_llama(), num_kv_blocks=16, block_size=16)
-    input_ids, positions, metadata, sample_rows = runner._prepare(seqs)
     h, payload = protocol.pack_step(batch, 7, block_size=16)
     step = protocol.unpack_step(h, payload, torch.device("cpu"))
     assert int(h[protocol.MESSAGE]) == 7 and payload.dtype == torch.int32
-    # The broadcast carries [1, T]; execute_prepared flattens it to the runner's own [T].
-    assert torch.equal(step.input_ids.reshape(-1), input_ids) and torch.equal(step.positions.reshape(-1), positions)
-    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
-        got, want = getattr(step.metadata, name), getattr(metadata, name)
-        assert got.dtype == want.dtype and torch.equal(got, want), name
-    assert (step.metadata.max_query_len, step.metadata.max_seq_len) == (metadata.max_query_len, metadata.max_seq_len)
-    assert step.sample_rows.tolist() == sample_rows
+    assert step.input_ids.tolist() == prompts[0] + prompts[1][-2:] + prompts[2]
+    assert step.positions.tolist() == list(range(7)) + [18, 19] + list(range(3))
+    meta = step.metadata
+    assert meta.slot_mapping.tolist() == slots[0] + slots[1] + slots[2]
+    assert meta.block_tables.tolist() == [[4, 5], [0, 1], [9, 0]]
+    assert meta.seq_lens.tolist() == [7, 20, 3] and meta.query_start_loc.tolist() == [0, 7, 9, 12]
+    assert (meta.max_query_len, meta.max_seq_len) == (7, 20)
+    assert step.sample_rows.tolist() == [6, 11]  # the last tokens of the sequences that sample
+    assert [t.dtype for t in (step.input_ids, step.positions, meta.slot_mapping, step.sample_rows)] == [torch.int64] * 4
+    assert [t.dtype for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)] == [torch.int32] * 3
     assert step.blocks.blocks_to_swap_out == [[2, 0]] and step.blocks.blocks_to_swap_in == [[1, 3]]
     assert step.blocks.blocks_to_copy == [[5, 6], [7, 8]]
     assert protocol.message_bytes(h, payload) == 8 * protocol.HEADER_LEN + 4 * payload.numel()

@@ -3,13 +3,15 @@ forward pass timed, and llm.stats() reporting both and what they decide (a tiny 
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from integrity_helpers import CONTROL, PROMPTS, tiny_llm, workload
 from kvpage.core import MeasuredCostModel, SchedulerOutput
-from kvpage.engine.cost_measurement import cost_model_stats, probe_swap
+from kvpage.engine.cost_measurement import cost_model_stats, probe_swap, record_step_time
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,8 @@ def test_steps_are_timed_and_the_stats_report_what_the_scheduler_decides_by(llm,
     llm.generate(*workload(), use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0, stats
-    # Every step's forward pass, but for the steps that swapped (their time is partly the link's); beam
-    # search, which runs the runner by itself on the idle engine, is not timed.
+    # Every step's forward pass (a CPU's forward has finished when execute returns), but for the steps
+    # that swapped (their time is partly the link's).
     unswapped = [out for out in outs if isinstance(out, SchedulerOutput)
                  and not (out.blocks_to_swap_out or out.blocks_to_swap_in)]
     assert [n for n, _ in recorded] == [out.num_batched_tokens for out in unswapped]
@@ -47,6 +49,17 @@ def test_steps_are_timed_and_the_stats_report_what_the_scheduler_decides_by(llm,
     assert stats["preferred_preemption_mode"] == engine.cost_model.choose(-(-tokens // 4), 4, tokens)
     crossover = stats["swap_preferred_from_tokens"]
     assert crossover is None or engine.cost_model.choose(-(-crossover // 4), 4, crossover) == "swap"
+
+
+def test_a_step_still_running_on_the_device_is_not_timed():
+    """On a GPU a step that read nothing back (a prompt chunk that samples nothing) has only been launched:
+    its time would price recompute at launch cost."""
+    model = MeasuredCostModel()
+    out = SimpleNamespace(num_batched_tokens=64, blocks_to_swap_out=[], blocks_to_swap_in=[])
+    record_step_time(model, out, time.perf_counter() - 0.01, finished=False)
+    assert model.seconds_per_token is None
+    record_step_time(model, out, time.perf_counter() - 0.01, finished=True)
+    assert model.seconds_per_token is not None and model.seconds_per_token >= 0.01 / 64
 
 
 def test_the_swap_probe_leaves_every_cache_as_it_was():

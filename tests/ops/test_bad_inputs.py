@@ -466,6 +466,8 @@ def test_cpu_kernel_rejects_tensors_on_another_device(op, make_args, changes, na
     pytest.param(dict(dtype=torch.int32), TypeError, "dtype", id="int-dtype"),
     pytest.param(dict(dtype=torch.float64), TypeError, "dtype", id="float64-dtype"),
     pytest.param(dict(dtype="float32"), TypeError, "dtype", id="str-dtype"),
+    pytest.param(dict(device="meta", pin_memory=True), ValueError, "pin_memory=True needs device 'cpu'",
+                 id="pinned-off-host"),
     # No CUDA here, or no 100th GPU there: torch's assertion or error, named.
     pytest.param(dict(device="cuda:99"), RuntimeError, "device 'cuda:99'", id="unavailable-device"),
     # 1.2 TB: past any machine's free memory, where Linux would OOM-kill the zero-fill instead of failing.
@@ -476,6 +478,15 @@ def test_allocate_kv_cache_rejects(kwargs, error, match):
     args = {**dict(num_blocks=4, block_size=16, num_kv_heads=2, head_size=64), **kwargs}
     with pytest.raises(error, match=match):
         ops.allocate_kv_cache(**args)
+
+
+def test_allocate_kv_cache_pinned_where_there_is_a_gpu_else_named_refusal():
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="allocate_kv_cache: .*pin_memory"):
+            ops.allocate_kv_cache(4, 16, 2, 64, pin_memory=True)
+        return
+    caches = ops.allocate_kv_cache(4, 16, 2, 64, pin_memory=True)
+    assert all(c.is_pinned() and c.device.type == "cpu" and not c.any() for c in caches)
 
 
 def test_allocate_kv_cache_checks_what_is_free_now(monkeypatch):

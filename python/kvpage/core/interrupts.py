@@ -47,3 +47,10 @@ def _deliver(handler, frame) -> None:
         handler(signal.SIGINT, frame)  # Python's default_int_handler raises KeyboardInterrupt
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signal.SIGINT)
+
+
+def call_locked(lock, fn, *args):
+    """fn(*args) holding `lock`, released whatever is raised, wherever. Written on one line on purpose:
+    a with-block spread over lines revisits its `with` line after the body, before __exit__ runs, and an
+    exception raised there (by a tracer; the fault tests inject at every line) would leave the lock held."""
+    with lock: return fn(*args)  # noqa: E701

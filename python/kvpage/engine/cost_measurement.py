@@ -80,10 +80,11 @@ def probe_swap(runner, repeats: int = 7) -> tuple[float, float] | None:
     return bandwidth, fit.intercept_s / 2
 
 
-def record_step_time(cost_model: MeasuredCostModel, out: SchedulerOutput, started: float) -> None:
-    """The step's forward pass, from `started` (before runner.execute) to now (after sampling, which
-    waits for the device); a step that swapped is left out, its time being partly the link's."""
-    if not (out.blocks_to_swap_out or out.blocks_to_swap_in):
+def record_step_time(cost_model: MeasuredCostModel, out: SchedulerOutput, started: float, finished: bool) -> None:
+    """The step's forward pass, from `started` (before runner.execute) to now. finished: the forward is
+    known to be done (on a CPU it always is; on a GPU once sampling read tokens back), else the time
+    is only its launch and is left out. So is a step that swapped, its time being partly the link's."""
+    if finished and not (out.blocks_to_swap_out or out.blocks_to_swap_in):
         cost_model.record_step(out.num_batched_tokens, time.perf_counter() - started)
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from kvpage.core.context_parallel import check_context_parallel, check_dcp_sizes
-from kvpage.core.interrupts import deferred_interrupts
+from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
 from .llm_engine import EngineConfig, LLMEngine
@@ -207,9 +207,8 @@ class LLM:
         and their blocks freed before the exception propagates: the LLM then generates as before."""
         prompts = normalise_prompts(prompts)
         params = per_prompt_params(sampling_params, len(prompts))
-        with self._lock:
-            return self._run([PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)],
-                             use_tqdm)
+        items = [PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)]
+        return call_locked(self._lock, self._run, items, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
@@ -218,9 +217,12 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = normalise_conversations(messages)
         params = per_prompt_params(sampling_params, len(conversations))
-        with self._lock:  # the tokenizer too is used by one thread at a time
-            prompts = [chat_template_prompt(self.tokenizer, c, chat_template) for c in conversations]
-            return self._run([PromptItem(t, i, sp) for (t, i), sp in zip(prompts, params)], use_tqdm)
+        return call_locked(self._lock, self._chat, conversations, params, chat_template, use_tqdm)
+
+    def _chat(self, conversations, params, chat_template: str | None, use_tqdm: bool) -> list[RequestOutput]:
+        # Under the lock: the tokenizer too is used by one thread at a time.
+        prompts = [chat_template_prompt(self.tokenizer, c, chat_template) for c in conversations]
+        return self._run([PromptItem(t, i, sp) for (t, i), sp in zip(prompts, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
         if self.tensor_parallel_size > 1:
@@ -293,9 +295,7 @@ class LLM:
         tokens, the model would swap rather than recompute (None: never); preferred_preemption_mode:
         "swap" or "recompute" for a victim as long as the mean request so far (prompt plus output), or
         the mode fixed by preemption_mode (recompute without a host pool)."""
-        with self._lock:
-            self._settle()
-            stats = self.llm_engine.stats()
+        stats = call_locked(self._lock, self._settled_stats)
         stats["tensor_parallel_size"] = self.tensor_parallel_size
         stats["decode_context_parallel_size"] = self.decode_context_parallel_size
         # Every rank holds one physical block per block id in use (a DCP group's ranks, each its share of it).
@@ -306,6 +306,10 @@ class LLM:
             stats["kv_cache_bytes_per_rank"] = [sum(t.numel() * t.element_size()
                                                     for kv in self.runner.kv_caches for t in kv)]
         return stats
+
+    def _settled_stats(self) -> dict:
+        self._settle()
+        return self.llm_engine.stats()
 
 
 def _context_limit(config, requested: int | None) -> int | None:

@@ -260,7 +260,8 @@ class LLMEngine:
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
                 sample_rows, result = self._sample(plain, _rows_of(logits, keep))
                 beams = self._select_beams(rows, logits)
-                record_step_time(self.cost_model, out, started)
+                # Sampling read tokens back, so the device has finished the step (a CPU's always has).
+                record_step_time(self.cost_model, out, started, finished=bool(rows) or logits.device.type == "cpu")
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
             sampled = self._sampled(plain, result)
             # The commit: the scheduler's and the engine's records of the step land together.

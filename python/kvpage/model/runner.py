@@ -7,12 +7,10 @@ and attends over the paged cache (see attention.py); logits are computed only fo
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from kvpage import ops
-from kvpage.core.scheduler_output import logits_rows
 
 from .attention import HFForward, head_dim_of, validate_config
 from .cpu_layout import round_weights
@@ -21,38 +19,9 @@ from .cuda_graphs import CudaGraphConfig, DecodeGraphs
 from .llama import LlamaForward, llama_family_mismatch
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache
+from .step_inputs import ModelInput, SequenceInput, pack_payload, unpack_payload
 
-BlockPairs = list[tuple[int, int]]
-
-
-@dataclass
-class SequenceInput:
-    """One sequence's share of the step: tokens at positions [start, start + len(token_ids)).
-
-    Same field names as kvpage.core.ScheduledSequence, so a SchedulerOutput runs as it is.
-    """
-
-    token_ids: list[int]
-    start: int  # = num_computed_tokens: K/V of positions < start are already in the cache
-    block_table: list[int]
-    slot_mapping: list[int]  # cache slot of each new token (BlockManager.slot_mapping)
-    do_sample: bool = True  # return logits for the last of token_ids
-    prompt_logit_positions: range = range(0)  # positions whose logits come back too (prompt_logprobs)
-
-    @property
-    def context_len(self) -> int:
-        return self.start + len(self.token_ids)
-
-
-@dataclass
-class ModelInput:
-    """One step's work, in SchedulerOutput's names (which is accepted in its place)."""
-
-    scheduled: list[SequenceInput] = field(default_factory=list)
-    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
-    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
-    blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst) on the device
-
+__all__ = ["ModelInput", "ModelRunner", "SequenceInput"]  # the step types live in step_inputs.py
 
 # vLLM's kv_cache_dtype names: "auto" keeps the model's dtype; "fp8" (= "fp8_e4m3") stores K/V as
 # float8_e4m3fn with per-tensor scales of 1.0 (vLLM's default without calibrated scales): a quarter
@@ -206,10 +175,9 @@ class ModelRunner:
                              or self.config.num_attention_heads)
         self.head_dim = head_dim_of(self.config)
         self.kv_caches: list[KVCache] = self._allocate(num_kv_blocks, self.device)
-        self.host_kv_caches: list[KVCache] = self._allocate(num_host_blocks, "cpu") if num_host_blocks else []
-        if self.device.type == "cuda" and self.host_kv_caches:
-            # Pinned host memory lets swaps run as asynchronous DMA instead of pageable copies.
-            self.host_kv_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv_caches]
+        # Pinned host memory lets a GPU's swaps run as asynchronous DMA instead of pageable copies.
+        self.host_kv_caches: list[KVCache] = (self._allocate(num_host_blocks, "cpu", self.device.type == "cuda")
+                                              if num_host_blocks else [])
         self.graphs = self._decode_graphs(cuda_graphs)
 
     def _decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
@@ -220,9 +188,10 @@ class ModelRunner:
         return DecodeGraphs(self.forward, self.kv_caches, config.max_num_seqs, config.max_model_len,
                             self.block_size, self.device)
 
-    def _allocate(self, num_blocks: int, device) -> list[KVCache]:
+    def _allocate(self, num_blocks: int, device, pin_memory: bool = False) -> list[KVCache]:
         return [ops.allocate_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                      dtype=self.cache_dtype, device=device) for _ in range(self.num_layers)]
+                                      dtype=self.cache_dtype, device=device, pin_memory=pin_memory)
+                for _ in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.config, self.block_size, self.cache_dtype, self.num_kv_heads)
@@ -241,33 +210,32 @@ class ModelRunner:
         """Run a step; float32 logits [num sequences with do_sample, vocab], in batch order, followed by
         the rows of each sequence's prompt_logit_positions, if any (kvpage.core.logits_rows)."""
         self._move_blocks(batch)
-        seqs = batch.scheduled
-        if not seqs:
+        if not batch.scheduled:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        input_ids, positions, metadata, logit_rows = self._prepare(seqs)
-        if self.graphs is not None and self.graphs.fits(metadata):
-            hidden = self.graphs(input_ids, positions, metadata)
+        sizes, payload = pack_payload(batch, self.block_size, pin_memory=self.device.type == "cuda")
+        step = unpack_payload(sizes, payload, self.device)
+        if self.graphs is not None and self.graphs.fits(step.metadata):
+            hidden = self.graphs(step.input_ids, step.positions, step.metadata)
         else:
-            hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
-        if not logit_rows:
+            hidden = self.forward(step.input_ids, step.positions, step.metadata, self.kv_caches)
+        if not sizes.num_sampled:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         # Only the rows asked for go through the vocab projection: [num_sampled, vocab], not [T, vocab].
-        rows = hidden.index_select(0, torch.tensor(logit_rows, device=self.device))
-        return self.forward.compute_logits(rows).float()
+        return self.forward.compute_logits(hidden.index_select(0, step.sample_rows)).float()
 
     @torch.inference_mode()
     def execute_prepared(self, blocks: ModelInput, input_ids: torch.Tensor, positions: torch.Tensor,
                          metadata: AttentionMetadata | None, sample_rows: torch.Tensor) -> torch.Tensor | None:
         """execute() for a step whose flat batch is already built: tensor-parallel ranks unpack it from the
         driver's broadcast (kvpage.distributed.protocol). blocks: only its swap / copy pairs are read.
-        input_ids / positions: [T] (or [1, T]). Returns the LM head's output for sample_rows ([R, vocab]
-        float32; a sharded head's rank-local part on ranks other than 0), or None when nothing is sampled."""
+        input_ids / positions: [T]. Returns the LM head's output for sample_rows ([R, vocab] float32; a
+        sharded head's rank-local part on ranks other than 0), or None when nothing is sampled."""
         self._move_blocks(blocks)
         if metadata is None:
             return None
         if self.context_parallel is not None:
             metadata = self.context_parallel.localize(metadata, positions)
-        hidden = self.forward(input_ids.reshape(-1), positions.reshape(-1), metadata, self.kv_caches)
+        hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
         if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
             return None
         return self.forward.compute_logits(hidden.index_select(0, sample_rows)).float()
@@ -285,31 +253,6 @@ class ModelRunner:
         if batch.blocks_to_copy:
             keys, values = zip(*self.kv_caches)
             ops.copy_blocks(list(keys), list(values), batch.blocks_to_copy)
-
-    def _prepare(self, seqs: list[SequenceInput]):
-        """Flatten the step into input_ids/positions [T] and the attention metadata."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
-        for seq in seqs:
-            n = len(seq.token_ids)
-            if n == 0 or len(seq.slot_mapping) != n or seq.start < 0:
-                raise ValueError(f"each scheduled sequence needs >= 1 token, one slot per token and start >= 0;"
-                                 f" got {n} tokens, {len(seq.slot_mapping)} slots, start={seq.start}")
-            if seq.start + n > len(seq.block_table) * self.block_size:
-                raise ValueError(f"block_table of {len(seq.block_table)} blocks cannot hold {seq.start + n} tokens")
-            token_ids += seq.token_ids
-            positions += range(seq.start, seq.start + n)
-            slot_mapping += seq.slot_mapping
-            query_lens.append(n)
-            seq_lens.append(seq.start + n)
-            block_tables.append(seq.block_table)
-        device = self.device
-        metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, device)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
-        return input_ids, position_ids, metadata, logits_rows(seqs)
 
 
 def _flat(kv_caches: list[KVCache]) -> list[torch.Tensor]:

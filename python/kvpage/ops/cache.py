@@ -7,7 +7,8 @@ from kvpage.ops.huge_pages import huge_page_zeros
 from kvpage.ops.config import range_checks_enabled
 
 
-def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32, device="cpu"):
+def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32, device="cpu",
+                      pin_memory=False):
     """Allocates one layer's (key_cache, value_cache), zero-filled.
 
     Layout, used by every kernel: [num_blocks, num_kv_heads, block_size, head_size], contiguous.
@@ -16,7 +17,9 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     block_size: a power of two up to 256; head_size: a multiple of 16 up to 256;
     dtype: float32, float16, bfloat16 (attention computes in float32), or float8_e4m3fn: K/V stored
     as fp8 codes of x / k_scale and x / v_scale (see reshape_and_cache), a quarter of float32's
-    memory and bandwidth, read back by attention with the same scales."""
+    memory and bandwidth, read back by attention with the same scales.
+    pin_memory: a CPU cache in page-locked memory (a GPU's swap target: its copies run as asynchronous
+    DMA), allocated pinned rather than pinned after, which would hold two copies at once."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
         _checks.require_positive_int(value, name)
@@ -30,6 +33,11 @@ def allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=tor
     _check_fits(device, 2 * torch.Size(shape).numel() * dtype.itemsize, num_blocks)
     try:
         device = torch.device(device)
+        if pin_memory and device.type != "cpu":
+            raise ValueError(f"pin_memory=True needs device 'cpu' (pinned memory is host memory), got '{device}'")
+        if pin_memory:
+            return (torch.zeros(shape, dtype=dtype, pin_memory=True),
+                    torch.zeros(shape, dtype=dtype, pin_memory=True))
         if device.type == "cpu":
             # Attention reads tiles scattered over the whole pool: huge pages spare a TLB miss per tile.
             return huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)
