@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # Ollama's default: it keeps the 135M default model from looping and from repeating its previous answer
@@ -85,7 +86,18 @@ def _llm(args):
     import kvpage
     return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
                       weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
-                      enforce_eager=args.enforce_eager)
+                      enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                      decode_context_parallel_size=args.decode_context_parallel_size)
+
+
+@contextmanager
+def _serving_llm(args):
+    """The command's LLM, shut down when the command ends (tensor-parallel workers stop with it)."""
+    llm = _llm(args)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
 
 
 def cmd_generate(args) -> None:
@@ -95,11 +107,11 @@ def cmd_generate(args) -> None:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
-    llm = _llm(args)
-    if args.raw or not has_chat_template(llm.tokenizer):
-        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    with _serving_llm(args) as llm:
+        if args.raw or not has_chat_template(llm.tokenizer):
+            out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     if args.show_prompt:
         print(f"[prompt]\n{out.prompt}\n[reply]")
     print(out.outputs[0].text.strip() if not args.raw else out.outputs[0].text)
@@ -108,13 +120,15 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     from kvpage.commands.chat import run_chat
     params = sampling_params(args)
-    run_chat(_llm(args), params, show_prompt=args.show_prompt)
+    with _serving_llm(args) as llm:
+        run_chat(llm, params, show_prompt=args.show_prompt)
 
 
 def cmd_demo(args) -> None:
     from kvpage.commands.demo import run_demo
     params = sampling_params(args)
-    run_demo(_llm(args), params)
+    with _serving_llm(args) as llm:
+        run_demo(llm, params)
 
 
 def cmd_bench(args) -> None:
@@ -129,9 +143,9 @@ def cmd_bench(args) -> None:
                     + ([] if args.peers else ["--no-hf"]))
         runpy.run_path(str(script), run_name="__main__")
         return
-    llm = _llm(args)
     from kvpage.engine.workload import make_workload, quick_workload, run_kvpage
-    res = run_kvpage(llm, quick_workload() if args.quick else make_workload())
+    with _serving_llm(args) as llm:
+        res = run_kvpage(llm, quick_workload() if args.quick else make_workload())
     print(f"{res['output_tokens']} output tokens in {res['seconds']:.2f}s: {res['output_tok_s']:.1f} tok/s;"
           f" TTFT p50 {res['ttft_p50_s']:.3f}s p99 {res['ttft_p99_s']:.3f}s;"
           f" prefix-cache hit rate {res['prefix_cache_hit_rate']:.0%}; preemptions {res['num_preemptions']}")
@@ -167,6 +181,10 @@ def _add_engine_flags(p) -> None:
                    " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (GPU only; the CPU always runs eagerly)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="processes splitting each layer's heads (one per GPU; on a CPU, the cores shared out)")
+    p.add_argument("--decode-context-parallel-size", type=positive_int, default=1,
+                   help="ranks sharing KV heads split each sequence's positions instead (divides the TP size)")
 
 
 def _add_sampling_flags(p, max_tokens: int) -> None:
