@@ -112,3 +112,37 @@ def test_enforce_eager_is_checked_and_the_cpu_runs_eagerly():
     assert asked.graphs is None  # asked for, but a CPU has none: every step runs eagerly
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
         kvpage.LLM(model=runner.model, enforce_eager="yes")
+
+
+class _CountingGraphs(DecodeGraphs):
+    calls = 0
+
+    def __call__(self, input_ids, positions, meta):
+        self.calls += 1
+        return super().__call__(input_ids, positions, meta)
+
+
+def test_the_engine_through_the_padded_buffers_gives_the_eager_engines_tokens():
+    """ModelRunner.execute's graph branch end to end on a CPU: every decode step that fits goes through
+    DecodeGraphs' padded buffers (run eagerly here), filled from the step payload, while prefills run
+    the forward directly; greedy tokens must equal those of the engine that never uses the buffers."""
+    import kvpage
+
+    torch.manual_seed(0)
+    # Weights 10x HF's default scale: attention then moves the logits enough that a wrong position,
+    # slot or table row in the buffers changes the tokens.
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         initializer_range=0.2)
+    model = LlamaForCausalLM(config).eval()
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate([5, 11, 3, 17, 8])]
+    params = kvpage.SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    eager = kvpage.LLM(model=model, num_kv_blocks=64, block_size=4)
+    padded = kvpage.LLM(model=model, num_kv_blocks=64, block_size=4)
+    runner = padded.runner
+    runner.graphs = _CountingGraphs(runner.forward, runner.kv_caches, max_num_seqs=8, max_model_len=64,
+                                    block_size=runner.block_size, device="cpu", capture=False)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert runner.graphs.calls >= params.max_tokens - 1  # 5 sequences in the bucket of 8: 3 padding rows
