@@ -163,3 +163,18 @@ def test_runs_a_scheduler_output_as_it_is():
         ScheduledSequence(str(i), i, s.start, len(s.token_ids), s.token_ids, s.block_table, s.slot_mapping,
                           is_prefill=True, do_sample=True, num_samples=1) for i, s in enumerate(ours.scheduled)])
     torch.testing.assert_close(runner.execute(step), runner.execute(ours))
+
+
+def test_metadata_build_lays_out_the_step_as_the_runner_payload_does():
+    """AttentionMetadata.build (the HF cache's path) and the runner's step payload build the same fields
+    in the same dtypes from the same sequences: tables padded with 0, query_start_loc the running sum."""
+    from kvpage.model.step_inputs import pack_payload, unpack_payload
+
+    seqs = [SequenceInput([5, 6, 7], 0, [4], [16, 17, 18]), SequenceInput([9], 9, [1, 2, 7], [29])]
+    meta = AttentionMetadata.build([3, 1], [3, 10], [[4], [1, 2, 7]], [16, 17, 18, 29])
+    step = unpack_payload(*pack_payload(ModelInput(seqs), BLOCK), torch.device("cpu"))
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        got, want = getattr(meta, name), getattr(step.metadata, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert meta.block_tables.tolist() == [[4, 0, 0], [1, 2, 7]] and meta.query_start_loc.tolist() == [0, 3, 4]
+    assert (meta.max_query_len, meta.max_seq_len) == (step.metadata.max_query_len, step.metadata.max_seq_len) == (3, 10)

@@ -43,20 +43,21 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               slot_mapping: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """From per-sequence Python lists (one torch.tensor each: cheap next to the forward pass)."""
+        """From per-sequence Python lists, through one host tensor: pinned for a GPU, which it reaches in
+        one asynchronous copy (four tensors would be four synchronous ones); the fields are views of it."""
+        device = torch.device(device)
         width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
+        tables = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+        host = torch.tensor(list(slot_mapping) + list(seq_lens) + starts + tables, dtype=torch.int64,
+                            pin_memory=device.type == "cuda")
+        flat = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        num_seqs, num_tokens = len(seq_lens), len(slot_mapping)
+        lens, qsl, table = flat[num_tokens:].int().split([num_seqs, num_seqs + 1, num_seqs * width])
+        return cls(slot_mapping=flat[:num_tokens], block_tables=table.view(num_seqs, width), seq_lens=lens,
+                   query_start_loc=qsl, max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0))
 
 
 @dataclass
