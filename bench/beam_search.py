@@ -47,6 +47,15 @@ def run_old(llm, beam_prompts, sampling_prompts, beam, sampling):
     return time.perf_counter() - start, beams_of(outs), sampling_s
 
 
+def run_round(llm, work, r: int, settle=lambda: None):
+    """One round's (old, new) results, old first in even rounds and new first in odd ones."""
+    runs = {}
+    for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+        settle()
+        runs[name] = (run_old if name == "old" else run_new)(llm, *work)
+    return runs["old"], runs["new"]
+
+
 def run_new(llm, beam_prompts, sampling_prompts, beam, sampling):
     start = time.perf_counter()
     outs = llm.generate(beam_prompts + sampling_prompts, [beam] * len(beam_prompts) + [sampling] * len(sampling_prompts),
@@ -101,11 +110,7 @@ def main():
     for r in range(args.rounds):
         work = workload(llm.tokenizer, args.beam, args.sampling, args.pp, args.tg, args.beam_width, 1000 * r)
         settle = (lambda: None) if args.quick else common.wait_until_idle
-        runs = {}
-        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            settle()
-            runs[name] = (run_old if name == "old" else run_new)(llm, *work)
-        (old, old_beams, sampling_s), (new, new_beams, _) = runs["old"], runs["new"]
+        (old, old_beams, sampling_s), (new, new_beams, _) = run_round(llm, work, r, settle)
         if old_beams != new_beams:
             sys.exit(f"round {r}: the beams differ between the sequential and the batched runs")
         if not args.no_hf and r == 0 and not matches_hf(llm, work[0], work[2], new_beams):

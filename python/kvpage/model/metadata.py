@@ -53,7 +53,7 @@ class AttentionMetadata:
         tables = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
         host = torch.tensor(list(slot_mapping) + list(seq_lens) + starts + tables, dtype=torch.int64,
                             pin_memory=device.type == "cuda")
-        flat = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        flat = host.to(device, non_blocking=True)  # the host tensor itself on the CPU
         num_seqs, num_tokens = len(seq_lens), len(slot_mapping)
         lens, qsl, table = flat[num_tokens:].int().split([num_seqs, num_seqs + 1, num_seqs * width])
         return cls(slot_mapping=flat[:num_tokens], block_tables=table.view(num_seqs, width), seq_lens=lens,

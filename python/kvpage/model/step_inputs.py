@@ -8,8 +8,8 @@ T tokens, S sequences, W the widest block table (shorter ones padded with 0), R 
 kept (sampled, then prompt_logprobs' rows: kvpage.core.scheduler_output.logits_rows), A/B/C block
 pairs. On a GPU the payload is built in pinned memory and reaches the device in one asynchronous copy
 (seven separate tensors would be seven synchronous ones); the forward reads views into it, the int64
-fields through one conversion of their leading run. The
-tensor-parallel broadcast sends the same payload to every rank (kvpage.distributed.protocol).
+fields through one conversion of their leading run. The tensor-parallel broadcast sends the same
+payload to every rank (kvpage.distributed.protocol).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def unpack_payload(sizes: PayloadSizes, payload: torch.Tensor, device: torch.dev
     lengths = sizes.lengths()
     if sum(lengths) != payload.numel():
         raise RuntimeError(f"step payload of {payload.numel()} ints does not match its sizes {sizes}")
-    on_device = payload.to(device, non_blocking=True) if device.type != "cpu" else payload
+    on_device = payload.to(device, non_blocking=True)  # the payload itself on the CPU
     wide = sum(lengths[:4])
     ids, pos, slots, rows = on_device[:wide].long().split(lengths[:4])
     qsl, seq_lens, tables, _ = on_device[wide:].split(lengths[4:7] + [sum(lengths[7:])])
