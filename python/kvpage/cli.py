@@ -78,18 +78,22 @@ def check_model_dir(model: str | None) -> None:
                          f" downloaded, leave --model out for the embedded default")
 
 
-@contextmanager
-def _serving_llm(args):
-    """The command's LLM, shut down when the command ends (tensor-parallel workers stop with it)."""
+def _llm(args):
     check_model_dir(args.model)
     # On stderr, so that stdout holds only the answer; the first load converts the wheel's GGUF.
     print(f"kvpage: loading {args.model or 'the default model, SmolLM2-135M-Instruct'} ...",
           file=sys.stderr, flush=True)
     import kvpage
-    llm = kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
-                     weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
-                     enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                     decode_context_parallel_size=args.decode_context_parallel_size)
+    return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
+                      weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
+                      enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                      decode_context_parallel_size=args.decode_context_parallel_size)
+
+
+@contextmanager
+def _serving_llm(args):
+    """The command's LLM, shut down when the command ends (tensor-parallel workers stop with it)."""
+    llm = _llm(args)
     try:
         yield llm
     finally:
