@@ -24,9 +24,9 @@ class Kind(IntEnum):
 
 # Header slots.
 _SLOTS = ("kind", "message", "num_seqs", "num_tokens", "width", "num_sampled", "swap_out", "swap_in", "copy",
-          "max_query_len", "max_seq_len", "payload_len")
+          "max_query_len", "max_seq_len", "num_groups", "payload_len")
 KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN, MAX_SEQ_LEN, \
-    PAYLOAD_LEN = range(len(_SLOTS))
+    NUM_GROUPS, PAYLOAD_LEN = range(len(_SLOTS))
 HEADER_LEN = len(_SLOTS)
 _SIZE_SLOTS = tuple(f.name for f in fields(PayloadSizes))  # in PayloadSizes' order
 # An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES, WEIGHT_DTYPE

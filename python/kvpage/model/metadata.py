@@ -7,7 +7,7 @@ the forward pass, and the attention function reads them (as vLLM's and nano-vllm
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,40 @@ class AttentionMetadata:
     max_seq_len: int  # the longest seq_lens entry (kept as an int: reading the tensor would sync)
     # Decode context parallelism: this rank's slots and attention rows (model/context_parallel.py), else None.
     context_parallel: object | None = None
+    # A hybrid KV cache (kvpage.core.kv_cache_groups, more than one group): every group's block tables and
+    # slot mapping, in layout order (block_tables / slot_mapping above are group 0's), and each layer's group.
+    # None with one group: every layer reads the fields above.
+    group_block_tables: torch.Tensor | None = None  # int32 [G, num_seqs, max_blocks]
+    group_slot_mappings: torch.Tensor | None = None  # int64 [G, T]
+    layer_groups: tuple[int, ...] | None = None  # layer id -> group index
+    _per_group: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.group_block_tables is None else self.group_block_tables.shape[0]
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of KV-cache group `group`: its block tables and slot mapping, the step's lengths
+        (the same tensors). Built once per step and group."""
+        if self.group_block_tables is None:
+            if group != 0:
+                raise ValueError(f"group {group}: this step's metadata has one KV-cache group")
+            return self
+        if not self._per_group:
+            self._per_group[:] = [replace(self, block_tables=tables, slot_mapping=slots, group_block_tables=None,
+                                          group_slot_mappings=None, layer_groups=None)
+                                  for tables, slots in zip(self.group_block_tables, self.group_slot_mappings)]
+        return self._per_group[group]
+
+    def for_layer(self, layer_id: int) -> "AttentionMetadata":
+        """The metadata attention layer `layer_id` reads: itself with one KV-cache group (no cost), else
+        the layer's group's (for_group)."""
+        if self.group_block_tables is None:
+            return self
+        if self.layer_groups is None:
+            raise RuntimeError("metadata with several KV-cache groups but no layer_groups: the runner sets"
+                               " them from its KVCacheLayout (ModelRunner.execute)")
+        return self.for_group(self.layer_groups[layer_id])
 
     @property
     def num_seqs(self) -> int:

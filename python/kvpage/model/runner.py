@@ -11,6 +11,8 @@ import weakref
 import torch
 
 from kvpage import ops
+from kvpage.core import kv_cache_groups
+from kvpage.core.kv_cache_groups import KVCacheLayout
 
 from .attention import HFForward, head_dim_of, validate_config
 from .cpu_layout import round_weights
@@ -87,16 +89,39 @@ def kv_cache_dtype_from_name(name) -> torch.dtype | None:
     return KV_CACHE_DTYPES[name]
 
 
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """Bytes one block takes over all layers, K and V (num_kv_heads: a tensor-parallel rank's own count)."""
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None,
+                             layout: KVCacheLayout | None = None) -> int:
+    """Bytes one block id takes, K and V (num_kv_heads: a tensor-parallel rank's own count): over all layers,
+    or with a KV-cache layout over its group_size per-layer tensors (a block id is one block of one group)."""
     num_kv_heads = num_kv_heads or getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_layer = 2 * num_kv_heads * block_size * head_dim_of(config) * dtype.itemsize
-    return per_layer * config.num_hidden_layers
+    return per_layer * (config.num_hidden_layers if layout is None else layout.group_size)
 
 
-def num_blocks_for_memory(config, gib: float, block_size: int, dtype: torch.dtype) -> int:
-    """How many blocks fit in `gib` GiB of KV cache."""
-    return int(gib * 2**30) // kv_cache_bytes_per_block(config, block_size, dtype)
+def num_blocks_for_memory(config, gib: float, block_size: int, dtype: torch.dtype,
+                          layout: KVCacheLayout | None = None) -> int:
+    """How many blocks fit in `gib` GiB of KV cache (laid out as `layout`, default one group of all layers)."""
+    return int(gib * 2**30) // kv_cache_bytes_per_block(config, block_size, dtype, layout=layout)
+
+
+def model_kv_cache_layout(config) -> KVCacheLayout:
+    """The KV-cache groups of a model: its layers grouped by sliding window (one group of every layer for a
+    model without windows, today's layout). The engine and every tensor-parallel rank derive it alike."""
+    from kvpage.engine.model_config import layer_sliding_windows
+
+    return kv_cache_groups.kv_cache_layout(layer_sliding_windows(config))
+
+
+def check_kv_cache_layout(layout: KVCacheLayout, num_layers: int, context_parallel) -> None:
+    """A layout this runner can allocate for a model of num_layers layers, or ValueError naming the argument."""
+    if not isinstance(layout, KVCacheLayout):
+        raise ValueError(f"kv_cache_layout must be a kvpage.core.KVCacheLayout or None, got {type(layout).__name__}")
+    if sorted(l for g in layout.groups for l in g.layer_ids) != list(range(num_layers)):
+        raise ValueError(f"kv_cache_layout must place each of the model's {num_layers} layers in exactly one group,"
+                         f" got groups {[g.layer_ids for g in layout.groups]}")
+    if layout.num_groups > 1 and context_parallel is not None:
+        raise ValueError("decode_context_parallel_size > 1 with a hybrid KV cache (several KV-cache groups)"
+                         " is not supported: run this model without decode context parallelism")
 
 
 # Models some runner serves: rounding one in place (weight_dtype) would change weights under that runner's
@@ -146,7 +171,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, num_kv_heads: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
                  matmul_precision: str = "highest", cuda_graphs: CudaGraphConfig | None = None,
-                 context_parallel: ContextParallelAttention | None = None) -> None:
+                 context_parallel: ContextParallelAttention | None = None,
+                 kv_cache_layout: KVCacheLayout | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
         holds fewer than its config says (kvpage.model.tensor_parallel). kv_cache_dtype: the
         model's dtype (None, the default), float8_e4m3fn, or bfloat16 / float16 for a float32 model on
@@ -155,7 +181,10 @@ class ModelRunner:
         matmul_precision: "highest" or "medium" (bf16 dot products in the linears; see MATMUL_PRECISIONS).
         cuda_graphs: where decode steps replay CUDA graphs (a GPU, kvpage's own forward); None: eager.
         context_parallel: this rank's part of a decode-context-parallel group (steps then arrive in virtual
-        blocks of block_size * group size tokens; see context_parallel.py), or None."""
+        blocks of block_size * group size tokens; see context_parallel.py), or None. kv_cache_layout: the
+        KV-cache groups (kvpage.core.kv_cache_groups; model_kv_cache_layout gives the model's own): the
+        runner allocates group_size (key, value) pairs and layer l uses pair j where layout.layer_slot(l) is
+        (g, j); every step then carries each group's block tables. None: one group of all layers."""
         self.dtype = dtype or model.dtype
         self.cache_dtype = kv_cache_dtype or self.dtype
         check_runner_dtypes(model, self.dtype, self.cache_dtype, weight_dtype, matmul_precision)
@@ -171,10 +200,15 @@ class ModelRunner:
         self.block_size = block_size
         self.num_kv_blocks, self.num_host_blocks = num_kv_blocks, num_host_blocks
         self.num_layers = self.config.num_hidden_layers
+        self.layout = kv_cache_layout or kv_cache_groups.kv_cache_layout([None] * self.num_layers)
+        check_kv_cache_layout(self.layout, self.num_layers, context_parallel)
+        self.layer_groups = tuple(self.layout.layer_slot(l)[0] for l in range(self.num_layers))
         self.num_kv_heads = (num_kv_heads or getattr(self.config, "num_key_value_heads", None)
                              or self.config.num_attention_heads)
         self.head_dim = head_dim_of(self.config)
-        self.kv_caches: list[KVCache] = self._allocate(num_kv_blocks, self.device)
+        # The group_size (key, value) pairs a block id indexes; kv_caches[l] is layer l's pair.
+        self.kv_cache_pairs: list[KVCache] = self._allocate(num_kv_blocks, self.device)
+        self.kv_caches: list[KVCache] = self._per_layer(self.kv_cache_pairs)
         # Pinned host memory lets a GPU's swaps run as asynchronous DMA instead of pageable copies.
         self.host_kv_caches: list[KVCache] = (self._allocate(num_host_blocks, "cpu", self.device.type == "cuda")
                                               if num_host_blocks else [])
@@ -182,8 +216,9 @@ class ModelRunner:
 
     def _decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
         """Graphs need a GPU and one static forward: kvpage's own, without Mistral's window check."""
+        # Several KV-cache groups run eagerly: the graphs' buffers hold one group's tables.
         if (config is None or self.device.type != "cuda" or not isinstance(self.forward, LlamaForward)
-                or self.forward.sliding_window is not None):
+                or getattr(self.forward, "sliding_window", None) is not None or self.layout.num_groups > 1):
             return None
         return DecodeGraphs(self.forward, self.kv_caches, config.max_num_seqs, config.max_model_len,
                             self.block_size, self.device)
@@ -191,13 +226,17 @@ class ModelRunner:
     def _allocate(self, num_blocks: int, device, pin_memory: bool = False) -> list[KVCache]:
         return [ops.allocate_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
                                       dtype=self.cache_dtype, device=device, pin_memory=pin_memory)
-                for _ in range(self.num_layers)]
+                for _ in range(self.layout.group_size)]
+
+    def _per_layer(self, pairs: list[KVCache]) -> list[KVCache]:
+        """Layer l's (key, value) pair: pair j of the group it is the j-th layer of."""
+        return [pairs[self.layout.layer_slot(l)[1]] for l in range(self.num_layers)]
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.config, self.block_size, self.cache_dtype, self.num_kv_heads)
+        return kv_cache_bytes_per_block(self.config, self.block_size, self.cache_dtype, self.num_kv_heads, self.layout)
 
     def num_blocks_for_memory(self, gib: float) -> int:
-        return num_blocks_for_memory(self.config, gib, self.block_size, self.cache_dtype)
+        return num_blocks_for_memory(self.config, gib, self.block_size, self.cache_dtype, self.layout)
 
     @property
     def vocab_size(self) -> int:
@@ -214,6 +253,7 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         sizes, payload = pack_payload(batch, self.block_size, pin_memory=self.device.type == "cuda")
         step = unpack_payload(sizes, payload, self.device)
+        self._set_layer_groups(step.metadata)
         if self.graphs is not None and self.graphs.fits(step.metadata):
             hidden = self.graphs(step.input_ids, step.positions, step.metadata)
         else:
@@ -233,6 +273,7 @@ class ModelRunner:
         self._move_blocks(blocks)
         if metadata is None:
             return None
+        self._set_layer_groups(metadata)
         if self.context_parallel is not None:
             metadata = self.context_parallel.localize(metadata, positions)
         hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
@@ -240,18 +281,27 @@ class ModelRunner:
             return None
         return self.forward.compute_logits(hidden.index_select(0, sample_rows)).float()
 
+    def _set_layer_groups(self, metadata: AttentionMetadata) -> None:
+        """Tell a step's metadata which group each layer reads (AttentionMetadata.for_layer); a step must
+        carry exactly the runner's groups (one group: nothing to tell)."""
+        if metadata.num_groups != self.layout.num_groups:
+            raise ValueError(f"the step carries block tables of {metadata.num_groups} KV-cache group(s), the"
+                             f" runner's kv_cache_layout has {self.layout.num_groups}")
+        if metadata.num_groups > 1:
+            metadata.layer_groups = self.layer_groups
+
     def _move_blocks(self, batch: ModelInput) -> None:
         """Swap out, then in (a block freed by a swap-out may be reused this step), then copy-on-write."""
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
             if not self.host_kv_caches:
                 raise ValueError("this step swaps blocks, but the runner has no host cache (num_host_blocks=0)")
-            device, host = _flat(self.kv_caches), _flat(self.host_kv_caches)
+            device, host = _flat(self.kv_cache_pairs), _flat(self.host_kv_caches)
             if batch.blocks_to_swap_out:
                 ops.swap_blocks(device, host, batch.blocks_to_swap_out)
             if batch.blocks_to_swap_in:
                 ops.swap_blocks(host, device, batch.blocks_to_swap_in)
         if batch.blocks_to_copy:
-            keys, values = zip(*self.kv_caches)
+            keys, values = zip(*self.kv_cache_pairs)
             ops.copy_blocks(list(keys), list(values), batch.blocks_to_copy)
 
 

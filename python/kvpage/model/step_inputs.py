@@ -6,7 +6,9 @@ Every step is flattened into ONE int32 payload, back to back:
     swap_out[2*A] swap_in[2*B] copy[2*C]                       (read on the host)
 T tokens, S sequences, W the widest block table (shorter ones padded with 0), R rows whose logits are
 kept (sampled, then prompt_logprobs' rows: kvpage.core.scheduler_output.logits_rows), A/B/C block
-pairs. On a GPU the payload is built in pinned memory and reaches the device in one asynchronous copy
+pairs. A hybrid KV cache of G > 1 groups (kvpage.core.kv_cache_groups) carries every group's slots and
+tables, group after group: slot_mapping[G*T] and block_tables[G*S*W] (group 0 first, the fields a
+one-group step has); one group costs nothing extra. On a GPU the payload is built in pinned memory and reaches the device in one asynchronous copy
 (seven separate tensors would be seven synchronous ones); the forward reads views into it, the int64
 fields through one conversion of their leading run. The tensor-parallel broadcast sends the same
 payload to every rank (kvpage.distributed.protocol).
@@ -37,6 +39,10 @@ class SequenceInput:
     slot_mapping: list[int]  # cache slot of each new token (BlockManager.slot_mapping)
     do_sample: bool = True  # return logits for the last of token_ids
     prompt_logit_positions: range = range(0)  # positions whose logits come back too (prompt_logprobs)
+    # A hybrid KV cache: one block table and slot mapping per KV-cache group, in layout order (group 0's
+    # are block_table / slot_mapping). None: one group.
+    block_tables: list[list[int]] | None = None
+    slot_mappings: list[list[int]] | None = None
 
     @property
     def context_len(self) -> int:
@@ -66,11 +72,12 @@ class PayloadSizes:
     copy: int
     max_query_len: int
     max_seq_len: int
+    num_groups: int = 1  # KV-cache groups whose slots and tables the payload carries
 
     def lengths(self) -> list[int]:
         """The fields' lengths, in the payload's order."""
-        t, s = self.num_tokens, self.num_seqs
-        return [t, t, t, self.num_sampled, s + 1 if s else 0, s, s * self.width,
+        t, s, g = self.num_tokens, self.num_seqs, self.num_groups
+        return [t, t, g * t, self.num_sampled, s + 1 if s else 0, s, g * s * self.width,
                 2 * self.swap_out, 2 * self.swap_in, 2 * self.copy]
 
 
@@ -89,6 +96,9 @@ def pack_payload(batch, block_size: int, pin_memory: bool = False) -> tuple[Payl
     """The sizes and int32 payload of a SchedulerOutput or ModelInput. Raises ValueError for a malformed
     step, before anything runs. pin_memory: build it in pinned memory (for a GPU's asynchronous copy)."""
     seqs = batch.scheduled
+    groups = _group_fields(seqs)
+    if groups is not None:
+        return _pack_groups(batch, groups, block_size, pin_memory)
     width = max((len(s.block_table) for s in seqs), default=0) or 1
     tokens: list[int] = []
     positions: list[int] = []
@@ -96,11 +106,7 @@ def pack_payload(batch, block_size: int, pin_memory: bool = False) -> tuple[Payl
     starts, seq_lens, tables = [0], [], []
     for s in seqs:
         n = len(s.token_ids)
-        if n == 0 or len(s.slot_mapping) != n or s.start < 0:
-            raise ValueError(f"each scheduled sequence needs >= 1 token, one slot per token and start >= 0;"
-                             f" got {n} tokens, {len(s.slot_mapping)} slots, start={s.start}")
-        if s.start + n > len(s.block_table) * block_size:
-            raise ValueError(f"block_table of {len(s.block_table)} blocks cannot hold {s.start + n} tokens")
+        _check_sequence(n, s.start, s.block_table, s.slot_mapping, block_size)
         tokens += s.token_ids
         positions += range(s.start, s.start + n)
         slots += s.slot_mapping
@@ -108,6 +114,61 @@ def pack_payload(batch, block_size: int, pin_memory: bool = False) -> tuple[Payl
         seq_lens.append(s.start + n)
         tables += s.block_table
         tables += [0] * (width - len(s.block_table))
+    return _payload(batch, tokens, positions, slots, starts, seq_lens, tables, width, 1, pin_memory)
+
+
+def _check_sequence(n: int, start: int, table: list[int], slots: list[int], block_size: int) -> None:
+    if n == 0 or len(slots) != n or start < 0:
+        raise ValueError(f"each scheduled sequence needs >= 1 token, one slot per token and start >= 0;"
+                         f" got {n} tokens, {len(slots)} slots, start={start}")
+    if start + n > len(table) * block_size:
+        raise ValueError(f"block_table of {len(table)} blocks cannot hold {start + n} tokens")
+
+
+def _group_fields(seqs) -> list[tuple[list[list[int]], list[list[int]]]] | None:
+    """Each sequence's (block_tables, slot_mappings) where the step has several KV-cache groups; None for
+    one group (the sequences' block_table / slot_mapping are then all there is)."""
+    fields = [(getattr(s, "block_tables", None), getattr(s, "slot_mappings", None)) for s in seqs]
+    counts = {len(t) if t is not None else 1 for t, _ in fields}
+    if counts <= {1}:
+        return None
+    if len(counts) > 1:
+        raise ValueError(f"every scheduled sequence must carry the same number of KV-cache groups' block tables,"
+                         f" got {sorted(counts)}")
+    for tables, slots in fields:
+        if tables is None or slots is None or len(slots) != len(tables):
+            raise ValueError("block_tables and slot_mappings must both be given, one per KV-cache group")
+    return fields
+
+
+def _pack_groups(batch, groups, block_size: int, pin_memory: bool) -> tuple[PayloadSizes, torch.Tensor]:
+    """pack_payload for G > 1 KV-cache groups: slots and tables group after group."""
+    seqs, num_groups = batch.scheduled, len(groups[0][0])
+    width = max(len(t) for tables, _ in groups for t in tables)
+    tokens: list[int] = []
+    positions: list[int] = []
+    starts, seq_lens = [0], []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
+    tables: list[list[int]] = [[] for _ in range(num_groups)]
+    for s, (seq_tables, seq_slots) in zip(seqs, groups):
+        n = len(s.token_ids)
+        for g in range(num_groups):
+            _check_sequence(n, s.start, seq_tables[g], seq_slots[g], block_size)
+            slots[g] += seq_slots[g]
+            tables[g] += seq_tables[g]
+            tables[g] += [0] * (width - len(seq_tables[g]))
+        tokens += s.token_ids
+        positions += range(s.start, s.start + n)
+        starts.append(starts[-1] + n)
+        seq_lens.append(s.start + n)
+    return _payload(batch, tokens, positions, [x for g in slots for x in g], starts, seq_lens,
+                    [x for g in tables for x in g], width, num_groups, pin_memory)
+
+
+def _payload(batch, tokens, positions, slots, starts, seq_lens, tables, width: int, num_groups: int,
+             pin_memory: bool) -> tuple[PayloadSizes, torch.Tensor]:
+    """The fields, flattened into one int32 tensor, and their sizes."""
+    seqs = batch.scheduled
     sample_rows = logits_rows(seqs)  # sampled rows, then prompt_logprobs rows: all the LM head runs on
     moves = [[x for pair in pairs for x in pair]
              for pairs in (batch.blocks_to_swap_out, batch.blocks_to_swap_in, batch.blocks_to_copy)]
@@ -122,7 +183,7 @@ def pack_payload(batch, block_size: int, pin_memory: bool = False) -> tuple[Payl
                          f" (|x| < 2**31): {e}") from e
     sizes = PayloadSizes(len(seqs), len(tokens), width if seqs else 0, len(sample_rows), len(moves[0]) // 2,
                          len(moves[1]) // 2, len(moves[2]) // 2, max((len(s.token_ids) for s in seqs), default=0),
-                         max(seq_lens, default=0))
+                         max(seq_lens, default=0), num_groups if seqs else 1)
     return sizes, payload
 
 
@@ -138,9 +199,12 @@ def unpack_payload(sizes: PayloadSizes, payload: torch.Tensor, device: torch.dev
     qsl, seq_lens, tables, _ = on_device[wide:].split(lengths[4:7] + [sum(lengths[7:])])
     metadata = None
     if sizes.num_seqs:
-        metadata = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(sizes.num_seqs, sizes.width),
-                                     seq_lens=seq_lens, query_start_loc=qsl, max_query_len=sizes.max_query_len,
-                                     max_seq_len=sizes.max_seq_len)
+        g, t = sizes.num_groups, sizes.num_tokens
+        tables = tables.view(g, sizes.num_seqs, sizes.width)
+        metadata = AttentionMetadata(slot_mapping=slots[:t], block_tables=tables[0], seq_lens=seq_lens,
+                                     query_start_loc=qsl, max_query_len=sizes.max_query_len,
+                                     max_seq_len=sizes.max_seq_len, group_block_tables=tables if g > 1 else None,
+                                     group_slot_mappings=slots.view(g, t) if g > 1 else None)
     return Step(ids, pos, metadata, rows, _block_moves(sizes, payload[payload.numel() - sum(lengths[7:]):]))
 
 
