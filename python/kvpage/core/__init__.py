@@ -7,6 +7,8 @@ from .block_pool import BlockPool
 from .block_table import num_blocks_for, slot_mapping
 from .hashing import ROOT_HASH, hash_block_tokens
 from .invariants import InvariantError, check_block_manager
+from .kv_cache_groups import (NULL_BLOCK, KVCacheGroup, KVCacheLayout, first_kept_block, kv_cache_layout,
+                              num_blocks_per_group, num_blocks_per_seq)
 from .prefix_cache import BlockKey, PrefixCache
 from .sequence import Sequence, SequenceGroup
 
@@ -14,6 +16,8 @@ __all__ = [
     "BlockKey", "BlockManager", "BlockManagerStats", "BlockMapping", "BlockPool", "InvariantError",
     "PrefixCache", "ROOT_HASH", "Sequence", "SequenceGroup", "check_block_manager", "hash_block_tokens",
     "num_blocks_for", "slot_mapping",
+    "NULL_BLOCK", "KVCacheGroup", "KVCacheLayout", "first_kept_block", "kv_cache_layout", "num_blocks_per_group",
+    "num_blocks_per_seq",
 ]
 
 # The scheduler (issue 4): request state, victim policies, the swap-versus-recompute cost model.

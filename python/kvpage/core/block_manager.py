@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from . import hashing
-from .block_moves import BlockMapping, move_tables, num_unique_blocks, on_device, on_host
+from .block_moves import BlockMapping, live_blocks, move_tables, num_unique_blocks, on_device, on_host
 from .block_pool import BlockPool
 from .block_table import blocks_to_append, num_blocks_for, slot_mapping
-from .hashing import ROOT_HASH
+from .hashing import ROOT_HASH, group_key
+from .kv_cache_groups import FULL_ATTENTION_LAYOUT, NULL_BLOCK, KVCacheLayout, first_kept_block
 from .prefix_cache import BlockKey
 from .sequence import Sequence, SequenceLike, as_seqs
 
@@ -27,6 +28,8 @@ class BlockManagerStats:
     num_copy_on_write: int
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
+    # Device blocks each KV-cache group's tables hold (layout order); sums to num_used_blocks.
+    num_used_blocks_per_group: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -46,16 +49,38 @@ class BlockManager:
     about to fill, and a sequence admitted later in the same step hits them too. That is sound
     because each layer of the forward pass writes every scheduled token's K/V before any token
     attends. `begin_step` forgets the announcements; `in_step_readers` says who relied on them.
+
+    Hybrid models (vLLM's hybrid KV cache manager): `kv_cache_layout` groups the layers by window
+    (kv_cache_groups.py), and every sequence holds one table per group (seq.block_tables, all the same
+    length), all drawn from the one pool. A sliding-window group of W keeps only positions
+    >= num_computed_tokens - W + 1: mark_computed, once a step's tokens are in the cache, puts
+    NULL_BLOCK where a block left the window and frees it (to the prefix cache's LRU if indexed).
+    Freeing there, after compute, keeps every block a step reads or writes alive through the step,
+    also blocks another sequence hit in the same step (note_computing). A prefix hit of h tokens
+    needs, in a window group, only the blocks of the window ending at h (vLLM's rule).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 kv_cache_layout: KVCacheLayout | None = None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        if kv_cache_layout is None:
+            kv_cache_layout = FULL_ATTENTION_LAYOUT
+        if not isinstance(kv_cache_layout, KVCacheLayout) or not kv_cache_layout.groups:
+            raise ValueError(f"kv_cache_layout must be a KVCacheLayout (kv_cache_groups.kv_cache_layout) or None,"
+                             f" got {kv_cache_layout!r}")
+        self.kv_cache_layout = kv_cache_layout
+        self.sliding_windows = kv_cache_layout.sliding_windows
+        self.num_groups = len(self.sliding_windows)
+        self._window_groups = tuple((g, w) for g, w in enumerate(self.sliding_windows) if w is not None)
+        self._full_groups = tuple(g for g, w in enumerate(self.sliding_windows) if w is None)
         self.block_size = block_size
         self.device = BlockPool(num_blocks, enable_prefix_caching)
+        # Which group's tables each device block was drawn for (stats only; one group needs none).
+        self._block_group = [0] * num_blocks if self.num_groups > 1 else None
         self.host = BlockPool(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Shortcuts for the per-token path (the pool never replaces these objects).
@@ -89,7 +114,7 @@ class BlockManager:
         can_allocate / allocate): read nothing from the cache, for a prompt that must be computed
         whole (prompt_logprobs); its blocks are still cached once full.
         """
-        return self._num_hit_tokens(seq, self._match_prefix(seq, use_prefix_cache))
+        return self._num_hit_tokens(seq, len(self._match_prefix(seq, use_prefix_cache)[0]))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> bool:
         """Whether `allocate(seq, num_new_tokens)` fits and still leaves the watermark free."""
@@ -114,12 +139,15 @@ class BlockManager:
                                f" {self.device.num_free_blocks} free")
         pool = self.device
         # Revive hits before drawing new blocks, so a draw cannot evict a block just matched.
-        for block_id in hits:
-            pool.incref(block_id)
-        seq.block_table = hits + [pool.allocate() for _ in range(num_new_blocks)]
-        if self._computing_blocks and not self._computing_blocks.isdisjoint(hits):
+        for table in hits:
+            for block_id in table:
+                if block_id != NULL_BLOCK:
+                    pool.incref(block_id)
+        per_group = num_new_blocks // self.num_groups
+        seq.block_tables = [table + [self._draw(g) for _ in range(per_group)] for g, table in enumerate(hits)]
+        if self._computing_blocks and any(not self._computing_blocks.isdisjoint(t) for t in hits):
             self._in_step_readers.add(seq.seq_id)
-        num_cached = self._num_hit_tokens(seq, hits)
+        num_cached = self._num_hit_tokens(seq, len(hits[0]))
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching and use_prefix_cache:
             self._queried_tokens += len(seq.token_ids)
@@ -142,49 +170,113 @@ class BlockManager:
         if self._cache is None:
             return
         for i in range(start // self.block_size, end // self.block_size):
-            block_hash = self._block_hash(seq, i)
-            if block_hash not in self._computing and self._cache.get(block_hash) is None:
-                block_id = seq.block_table[i]
-                self._computing[block_hash] = (block_id, self._block_key(seq, i))
-                self._computing_blocks.add(block_id)
+            chain_hash = self._block_hash(seq, i)
+            for g, table in enumerate(seq.block_tables):
+                block_hash = group_key(chain_hash, g)
+                if block_hash not in self._computing and self._cache.get(block_hash) is None:
+                    block_id = table[i]  # never NULL: the step writes it
+                    self._computing[block_hash] = (block_id, self._block_key(seq, i, g))
+                    self._computing_blocks.add(block_id)
 
     def in_step_readers(self) -> set[int]:
         """Sequences admitted this step with hits on blocks the step itself computes: if the step
         fails, what they hit was never written."""
         return set(self._in_step_readers)
 
-    def _match_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> list[int]:
-        cache = self._cache
-        if cache is None or seq.block_table or not use_prefix_cache:
-            return []
+    def _match_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> list[list[int]]:
+        """Each group's hit blocks for the longest prefix every group can supply (vLLM's hybrid rule):
+        a full group needs all its blocks, a window group only those in the window of the hit's end
+        (NULL_BLOCK before it). All lists have the hit's length in blocks."""
+        if self._cache is None or seq.block_table or not use_prefix_cache:
+            return [[] for _ in range(self.num_groups)]
+        limit = len(seq.token_ids) // self.block_size
+        full_hits = {}
+        for g in self._full_groups:  # each stops at its first miss; later groups need look no further
+            full_hits[g] = self._match_full(seq, g, limit)
+            limit = len(full_hits[g])
+        if not self._window_groups:
+            return [full_hits[g] for g in range(self.num_groups)]
+        memo = {g: {} for g, _ in self._window_groups}
+        h = self._fit_windows(seq, limit, memo)
+        tables = []
+        for g, window in enumerate(self.sliding_windows):
+            if window is None:
+                tables.append(full_hits[g][:h])
+            else:
+                lo = self._first_hit_block(seq, h, window)
+                tables.append([NULL_BLOCK] * lo + [memo[g][i] for i in range(lo, h)])
+        return tables
+
+    def _match_full(self, seq: Sequence, group: int, limit: int) -> list[int]:
         hits: list[int] = []
-        for i in range(len(seq.token_ids) // self.block_size):
-            block_id = self._lookup(seq, i)
-            if block_id is None and self._computing:
-                block_id = self._lookup_computing(seq, i)
+        for i in range(limit):
+            block_id = self._lookup_any(seq, group, i)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
-    def _num_hit_tokens(self, seq: Sequence, hits: list[int]) -> int:
+    def _lookup_any(self, seq: Sequence, group: int, i: int) -> int | None:
+        """A cached block, or one this step computes (note_computing), holding seq's block i of `group`."""
+        block_id = self._lookup(seq, group, i)
+        if block_id is None and self._computing:
+            block_id = self._lookup_computing(seq, group, i)
+        return block_id
+
+    def _fit_windows(self, seq: Sequence, h: int, memo: dict[int, dict[int, int | None]]) -> int:
+        """The longest hit of at most h blocks for which every window group holds its window's blocks."""
+        while h > 0:
+            for g, window in self._window_groups:
+                lo = self._first_hit_block(seq, h, window)
+                miss = next((i for i in range(h - 1, lo - 1, -1) if self._memo_lookup(seq, g, i, memo[g]) is None),
+                            None)
+                if miss is not None:
+                    # Blocks above the miss all hit, and windows only move right as h grows: h - 1 still
+                    # fits this group if its window starts past the miss, else nothing above the miss does.
+                    h = h - 1 if self._first_hit_block(seq, h - 1, window) > miss else miss
+                    break
+            else:
+                return h
+        return 0
+
+    def _memo_lookup(self, seq: Sequence, group: int, i: int, memo: dict[int, int | None]) -> int | None:
+        if i not in memo:
+            memo[i] = self._lookup_any(seq, group, i)
+        return memo[i]
+
+    def _first_hit_block(self, seq: Sequence, num_hit_blocks: int, window: int) -> int:
+        """The first block a window group needs for a hit of num_hit_blocks: the next query starts at
+        the hit's token count."""
+        return first_kept_block(self._num_hit_tokens(seq, num_hit_blocks), window, self.block_size)
+
+    def _num_hit_tokens(self, seq: Sequence, num_hit_blocks: int) -> int:
         # A full hit still recomputes the last token, for its logits (vLLM instead gives up the whole
         # last block); slot_mapping keeps that token off the cached block it already sits in.
-        return min(len(hits) * self.block_size, len(seq.token_ids) - 1)
+        return min(num_hit_blocks * self.block_size, len(seq.token_ids) - 1)
 
-    def _plan_allocation(self, seq: Sequence, hits: list[int], num_new_tokens: int | None) -> tuple[int, int]:
-        """(fresh blocks to draw, cached hits to revive): both come out of the free count."""
-        num_cached = self._num_hit_tokens(seq, hits)
+    def _plan_allocation(self, seq: Sequence, hits: list[list[int]], num_new_tokens: int | None) -> tuple[int, int]:
+        """(fresh blocks to draw, over all groups; cached hits to revive): both come out of the free count."""
+        num_hit_blocks = len(hits[0])
+        num_cached = self._num_hit_tokens(seq, num_hit_blocks)
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
             num_new_tokens = remaining
-        elif not (1 if not hits else 0) <= num_new_tokens <= remaining:
+        elif not (1 if not num_hit_blocks else 0) <= num_new_tokens <= remaining:
             # 0: only the cached prefix (a beam whose last token waits for its siblings' decode step).
-            raise ValueError(f"num_new_tokens must be in [{1 if not hits else 0}, {remaining}] for seq"
+            raise ValueError(f"num_new_tokens must be in [{1 if not num_hit_blocks else 0}, {remaining}] for seq"
                              f" {seq.seq_id}, got {num_new_tokens}")
-        new_blocks = num_blocks_for(num_cached + num_new_tokens, self.block_size) - len(hits)
+        # Every group grows alike: a window group writes (and this step's queries read) all the new blocks.
+        per_group = max(0, num_blocks_for(num_cached + num_new_tokens, self.block_size) - num_hit_blocks)
         refs = self.device.ref_counts
-        return new_blocks, sum(1 for b in hits if refs[b] == 0)
+        revived = sum(1 for table in hits for b in table if b != NULL_BLOCK and refs[b] == 0)
+        return per_group * self.num_groups, revived
+
+    def _draw(self, group: int) -> int:
+        """A fresh device block for one of `group`'s tables."""
+        block_id = self.device.allocate()
+        if self._block_group is not None:
+            self._block_group[block_id] = group
+        return block_id
 
     # -- running sequences ---------------------------------------------------------------------
 
@@ -192,7 +284,7 @@ class BlockManager:
         """Blocks append_slots draws for every (seq, num_new_tokens) of `plan`, called in that order:
         table growth plus copy-on-write replacements (several writers of one shared block each copy
         it but the last, which by then holds it alone)."""
-        return blocks_to_append(((seq.block_table, seq.num_computed_tokens, n) for seq, n in plan),
+        return blocks_to_append(((table, seq.num_computed_tokens, n) for seq, n in plan for table in seq.block_tables),
                                 self.device.ref_counts, self.block_size)
 
     def can_append_slots(self, seqs: SequenceLike, num_new_tokens: int = 1) -> bool:
@@ -209,7 +301,8 @@ class BlockManager:
 
         A new block is drawn only when the last one is full. A block about to be written that other
         tables also point at is replaced by a private block first (copy-on-write); the returned
-        (src, dst) pairs are for `ops.copy_blocks`, to run before this step's forward pass.
+        (src, dst) pairs are for `ops.copy_blocks`, to run before this step's forward pass. Each group
+        alike: the positions written are inside every window, so never a NULL_BLOCK entry.
         """
         start = seq.num_computed_tokens
         end = start + num_new_tokens
@@ -220,26 +313,27 @@ class BlockManager:
         first, last = start // bs, (end - 1) // bs
         refs = self._refs
         # Decode fast path: the next slot is in the last block and nobody else points at it.
-        if first == last < len(table) and refs[table[first]] == 1:
+        if first == last < len(table) and refs[table[first]] == 1 and (
+                self.num_groups == 1 or all(refs[t[first]] == 1 for t in seq.block_tables)):
             return []
         pool = self.device
         needed = self.num_blocks_to_append([(seq, num_new_tokens)])
         if needed > pool.num_free_blocks:
             raise RuntimeError(f"cannot append {num_new_tokens} tokens to seq {seq.seq_id}: needs"
                                f" {needed} blocks, {pool.num_free_blocks} free")
-        shared = [i for i in range(first, min(len(table), last + 1)) if refs[table[i]] > 1]
         grow = max(0, last + 1 - len(table))
         copies: BlockMapping = []
-        for i in shared:
-            src, dst = table[i], pool.allocate()
-            pool.decref(src)
-            table[i] = dst
-            # Only a block already holding this sequence's tokens needs its contents copied.
-            if i * bs < start:
-                copies.append((src, dst))
+        for g, table in enumerate(seq.block_tables):
+            for i in [i for i in range(first, min(len(table), last + 1)) if refs[table[i]] > 1]:
+                src, dst = table[i], self._draw(g)
+                pool.decref(src)
+                table[i] = dst
+                # Only a block already holding this sequence's tokens needs its contents copied.
+                if i * bs < start:
+                    copies.append((src, dst))
+            for _ in range(grow):
+                table.append(self._draw(g))
         self._num_cow += len(copies)
-        for _ in range(grow):
-            table.append(pool.allocate())
         return copies
 
     def _reject_append(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -263,6 +357,20 @@ class BlockManager:
         if new // bs != old // bs and self._cache is not None:
             for i in range(old // bs, new // bs):
                 self._cache_block(seq, i)
+        # After indexing: a block leaving a window stays a prefix hit (parked in the LRU).
+        for g, window in self._window_groups:
+            self._release_before(seq.block_tables[g], first_kept_block(new, window, bs))
+
+    def _release_before(self, table: list[int], stop: int) -> None:
+        """Free a window group's blocks before logical block `stop`, putting NULL_BLOCK in their place;
+        earlier ones are NULL already, so this walks back only over the blocks that just left."""
+        pool = self.device
+        for i in range(stop - 1, -1, -1):
+            block_id = table[i]
+            if block_id == NULL_BLOCK:
+                return
+            table[i] = NULL_BLOCK
+            pool.decref(block_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Point the child's table at the parent's blocks (parallel sampling, beam search)."""
@@ -274,9 +382,9 @@ class BlockManager:
         if child.token_ids[:n] != parent.token_ids[:n] or child.extra_keys != parent.extra_keys:
             raise ValueError(f"child seq {child.seq_id} must agree with parent seq {parent.seq_id}"
                              f" on its {n} computed tokens and its extra_keys")
-        for block_id in parent.block_table:
+        for block_id in live_blocks(parent):
             self.device.incref(block_id)
-        child.block_table = list(parent.block_table)
+        child.block_tables = [list(table) for table in parent.block_tables]
         child.num_computed_tokens = n
         child.block_hashes = parent.block_hashes[: n // self.block_size]
 
@@ -284,9 +392,11 @@ class BlockManager:
         """Release a finished, aborted or recompute-preempted sequence's blocks (idempotent)."""
         pool = self.host if seq.swapped else self.device
         # Tail first, so the LRU reclaims a sequence's tail before the prefix others may share.
-        for block_id in reversed(seq.block_table):
-            pool.decref(block_id)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    pool.decref(block_id)
+        seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.num_computed_tokens = 0
         seq.swapped = False
 
@@ -307,8 +417,19 @@ class BlockManager:
         """Make both pools agree with the block tables of `seqs` (every sequence holding blocks): the
         tables are the truth, ref counts and free lists are derived from them."""
         seqs = list(seqs)
-        self.device.rebuild(Counter(b for seq in seqs if not seq.swapped for b in seq.block_table))
-        self.host.rebuild(Counter(b for seq in seqs if seq.swapped for b in seq.block_table))
+        self.device.rebuild(Counter(b for seq in seqs if not seq.swapped for b in live_blocks(seq)))
+        self.host.rebuild(Counter(b for seq in seqs if seq.swapped for b in live_blocks(seq)))
+        self._note_groups(seq for seq in seqs if not seq.swapped)
+
+    def _note_groups(self, seqs) -> None:
+        """Record which group's table holds each device block of `seqs` (for per-group stats)."""
+        if self._block_group is None:
+            return
+        for seq in seqs:
+            for g, table in enumerate(seq.block_tables):
+                for block_id in table:
+                    if block_id != NULL_BLOCK:
+                        self._block_group[block_id] = g
 
     def forget_contents(self, block_ids) -> None:
         """Device blocks a failed step was to fill by swap-in or copy may hold anything: never a prefix hit."""
@@ -317,16 +438,26 @@ class BlockManager:
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset;
-        -1 where the cache already holds that position's K/V, or another sequence writes it this step)."""
+        -1 where the cache already holds that position's K/V, or another sequence writes it this step).
+        Group 0's; slot_mappings gives every group's."""
         if seq.swapped:
             raise ValueError(f"seq {seq.seq_id} is swapped out; its slots are not on the device")
-        slots = slot_mapping(seq.block_table, self.block_size, start, end)
+        return self._slots(seq.block_table, start, end)
+
+    def slot_mappings(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
+        """slot_mapping for each group's table, in layout order."""
+        if seq.swapped:
+            raise ValueError(f"seq {seq.seq_id} is swapped out; its slots are not on the device")
+        return [self._slots(table, start, end) for table in seq.block_tables]
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        slots = slot_mapping(table, self.block_size, start, end)
         if self._cache is None or end <= start:
             return slots
         # Only the last token of a full hit lands in a hit block: its K/V are there already (or are
         # being written by the step's other prefill), and a hit block is never written (others may be
         # reading it), so it maps to -1.
-        table, bs = seq.block_table, self.block_size
+        bs = self.block_size
         if self._is_hit_block(table[start // bs]):
             slots = [-1 if self._is_hit_block(table[p // bs]) else slot for p, slot in zip(range(start, end), slots)]
         return slots
@@ -336,11 +467,12 @@ class BlockManager:
 
     # -- prefix cache --------------------------------------------------------------------------
 
-    def _block_key(self, seq: Sequence, i: int) -> BlockKey:
-        """What full logical block i's hash commits to: its parent's hash, its tokens, extra keys."""
+    def _block_key(self, seq: Sequence, i: int, group: int = 0) -> BlockKey:
+        """What full logical block i's hash commits to: its parent's hash, its tokens, extra keys (and,
+        as a cache entry, its group)."""
         parent = self._block_hash(seq, i - 1) if i else ROOT_HASH
         bs = self.block_size
-        return BlockKey(parent, hashing.pack_tokens(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_keys)
+        return BlockKey(parent, hashing.pack_tokens(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_keys, group)
 
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
         """Hash of full logical block i, extending the sequence's memoised chain as needed."""
@@ -349,34 +481,39 @@ class BlockManager:
             hashes.append(self._block_key(seq, len(hashes)).digest())
         return hashes[i]
 
-    def _lookup(self, seq: Sequence, i: int) -> int | None:
-        """The cached block holding exactly seq's logical block i, if any."""
+    def _lookup(self, seq: Sequence, group: int, i: int) -> int | None:
+        """The cached block of `group` holding exactly seq's logical block i, if any."""
         cache = self._cache
-        block_id = cache.get(self._block_hash(seq, i))
+        block_id = cache.get(group_key(self._block_hash(seq, i), group))
         # Confirm the contents: a hash collision must never hand out someone else's KV.
-        if block_id is None or cache.key_of(block_id) != self._block_key(seq, i):
+        if block_id is None or cache.key_of(block_id) != self._block_key(seq, i, group):
             return None
         return block_id
 
-    def _lookup_computing(self, seq: Sequence, i: int) -> int | None:
-        """The block this step computes as exactly seq's logical block i, if any (see note_computing)."""
-        entry = self._computing.get(self._block_hash(seq, i))
-        if entry is None or entry[1] != self._block_key(seq, i):
+    def _lookup_computing(self, seq: Sequence, group: int, i: int) -> int | None:
+        """The block of `group` this step computes as exactly seq's logical block i, if any (see note_computing)."""
+        entry = self._computing.get(group_key(self._block_hash(seq, i), group))
+        if entry is None or entry[1] != self._block_key(seq, i, group):
             return None
         return entry[0]
 
     def _cache_block(self, seq: Sequence, i: int) -> None:
+        """Index full computed block i of every group (a window group's NULL_BLOCK entries aside)."""
         cache = self._cache
-        block_id = seq.block_table[i]
-        # Already indexed: a prefix hit, or a block this sequence shares with its fork parent.
-        if cache.contains_block(block_id):
-            return
-        key = self._block_key(seq, i)
+        key = None
         hashes = seq.block_hashes
-        if len(hashes) == i:  # the usual case, a block that just filled: pack and hash it once
-            hashes.append(key.digest())
-        if cache.insert(block_id, hashes[i], key):
-            self._indexed_this_step.append(block_id)
+        for g, table in enumerate(seq.block_tables):
+            block_id = table[i]
+            # Already indexed: a prefix hit, or a block this sequence shares with its fork parent.
+            if block_id == NULL_BLOCK or cache.contains_block(block_id):
+                continue
+            if key is None:
+                key = self._block_key(seq, i)
+                if len(hashes) == i:  # the usual case, a block that just filled: pack and hash it once
+                    hashes.append(key.digest())
+            chain_hash = self._block_hash(seq, i)
+            if cache.insert(block_id, group_key(chain_hash, g), key._replace(group=g) if g else key):
+                self._indexed_this_step.append(block_id)
 
     # -- swap ----------------------------------------------------------------------------------
 
@@ -393,7 +530,7 @@ class BlockManager:
         if not self.can_swap_out(leaving):
             raise RuntimeError(f"cannot swap out: needs {num_unique_blocks(leaving)} host blocks,"
                                f" {self.host.num_free_blocks} free")
-        mapping = move_tables(leaving, self.device, self.host, lambda seq, i: None)
+        mapping = move_tables(leaving, self.device, self.host, lambda seq, g, i: None)
         for seq in leaving:
             seq.swapped = True
         self._swapped_out += len(mapping)
@@ -413,6 +550,7 @@ class BlockManager:
         if needed > self.device.num_free_blocks:
             raise RuntimeError(f"cannot swap in: needs {needed} device blocks, {self.device.num_free_blocks} free")
         mapping = move_tables(returning, self.host, self.device, self._device_hit)
+        self._note_groups(returning)
         bs = self.block_size
         for seq in returning:
             seq.swapped = False
@@ -422,10 +560,10 @@ class BlockManager:
         self._swapped_in += len(mapping)
         return mapping
 
-    def _device_hit(self, seq: Sequence, i: int) -> int | None:
+    def _device_hit(self, seq: Sequence, group: int, i: int) -> int | None:
         if self._cache is None or i >= seq.num_computed_tokens // self.block_size:
             return None
-        return self._lookup(seq, i)
+        return self._lookup(seq, group, i)
 
     # -- statistics ----------------------------------------------------------------------------
 
@@ -443,4 +581,14 @@ class BlockManager:
             num_copy_on_write=self._num_cow,
             num_swapped_out_blocks=self._swapped_out,
             num_swapped_in_blocks=self._swapped_in,
+            num_used_blocks_per_group=self._used_per_group(),
         )
+
+    def _used_per_group(self) -> tuple[int, ...]:
+        if self._block_group is None:
+            return (self.device.num_used,)
+        counts = [0] * self.num_groups
+        for block_id, refs in enumerate(self._refs):
+            if refs:
+                counts[self._block_group[block_id]] += 1
+        return tuple(counts)

@@ -39,5 +39,11 @@ def hash_block(parent_hash: bytes, token_bytes: bytes, extra_keys: tuple = ()) -
     return h.digest()
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of KV-cache group `group` whose chain hash is `block_hash`:
+    the hash itself for group 0 (a one-group cache keys exactly as before), tagged for the others."""
+    return block_hash + group.to_bytes(2, "little") if group else block_hash
+
+
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
     return hash_block(parent_hash, pack_tokens(token_ids), extra_keys)

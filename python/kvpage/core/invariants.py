@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 from .block_manager import BlockManager
+from .block_moves import live_blocks
 from .block_pool import BlockPool
 from .block_table import num_blocks_for
 from .hashing import pack_tokens
+from .kv_cache_groups import NULL_BLOCK, first_kept_block
 from .sequence import Sequence
 
 
@@ -48,25 +50,42 @@ def check_pool(pool: BlockPool, table_entries: Counter, name: str) -> None:
 
 def check_sequence(manager: BlockManager, seq: Sequence) -> None:
     bs = manager.block_size
-    _expect(0 <= seq.num_computed_tokens <= len(seq.token_ids),
-            f"seq {seq.seq_id}: num_computed_tokens {seq.num_computed_tokens} out of range")
-    _expect(len(seq.block_table) >= num_blocks_for(seq.num_computed_tokens, bs),
-            f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {seq.num_computed_tokens} computed tokens")
-    _expect(len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block appears twice")
+    c = seq.num_computed_tokens
+    _expect(0 <= c <= len(seq.token_ids), f"seq {seq.seq_id}: num_computed_tokens {c} out of range")
+    tables = seq.block_tables
+    if not seq.block_table:
+        _expect(all(not t for t in tables), f"seq {seq.seq_id}: group 0 holds no blocks but another group does")
+        return
+    _expect(len(tables) == manager.num_groups, f"seq {seq.seq_id}: {len(tables)} block tables for"
+                                                f" {manager.num_groups} KV-cache groups")
+    _expect(len({len(t) for t in tables}) == 1, f"seq {seq.seq_id}: its groups' tables differ in length")
+    _expect(len(seq.block_table) >= num_blocks_for(c, bs),
+            f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c} computed tokens")
+    live = list(live_blocks(seq))
+    _expect(len(set(live)) == len(live), f"seq {seq.seq_id}: a block appears twice")
+    for g, (table, window) in enumerate(zip(tables, manager.sliding_windows)):
+        # A window group holds exactly the blocks from its window's first on: no block it still
+        # needs is missing, none it no longer needs is kept.
+        kept = first_kept_block(c, window, bs)
+        _expect(all(b == NULL_BLOCK for b in table[:kept]) and NULL_BLOCK not in table[kept:],
+                f"seq {seq.seq_id} group {g}: NULL_BLOCK entries {[i for i, b in enumerate(table) if b == NULL_BLOCK]},"
+                f" expected exactly those before block {kept}")
     cache = manager.device.cache
     if cache is None or seq.swapped:
         return
-    for i in range(seq.num_computed_tokens // bs):
-        key = cache.key_of(seq.block_table[i])
-        if key is not None:
-            _expect(key.token_bytes == pack_tokens(seq.token_ids[i * bs:(i + 1) * bs]),
-                    f"seq {seq.seq_id}: block {i} is indexed under other tokens")
+    for g, table in enumerate(tables):
+        for i in range(c // bs):
+            key = cache.key_of(table[i]) if table[i] != NULL_BLOCK else None
+            if key is not None:
+                _expect(key.token_bytes == pack_tokens(seq.token_ids[i * bs:(i + 1) * bs]) and key.group == g,
+                        f"seq {seq.seq_id}: group {g}'s block {i} is indexed under other tokens or another group")
 
 
 def check_block_manager(manager: BlockManager, seqs: list[Sequence]) -> None:
-    """Raise InvariantError unless `manager` is consistent with `seqs`, every sequence holding blocks."""
-    on_device = Counter(b for seq in seqs if not seq.swapped for b in seq.block_table)
-    on_host = Counter(b for seq in seqs if seq.swapped for b in seq.block_table)
+    """Raise InvariantError unless `manager` is consistent with `seqs`, every sequence holding blocks:
+    ref counts equal the entries of every group's tables, and free + used + cached == num_blocks."""
+    on_device = Counter(b for seq in seqs if not seq.swapped for b in live_blocks(seq))
+    on_host = Counter(b for seq in seqs if seq.swapped for b in live_blocks(seq))
     check_pool(manager.device, on_device, "device")
     check_pool(manager.host, on_host, "host")
     for seq in seqs:
@@ -74,3 +93,5 @@ def check_block_manager(manager: BlockManager, seqs: list[Sequence]) -> None:
     stats = manager.stats()
     _expect(stats.num_free_blocks + stats.num_used_blocks + stats.num_cached_blocks == stats.num_blocks,
             "stats: free + used + cached != total")
+    _expect(sum(stats.num_used_blocks_per_group) == stats.num_used_blocks,
+            f"stats: per-group used blocks {stats.num_used_blocks_per_group} do not add up to {stats.num_used_blocks}")

@@ -67,3 +67,45 @@ def kv_cache_layout(layer_windows: Seq[int | None]) -> KVCacheLayout:
     groups = tuple(KVCacheGroup(w, tuple(by_type[w][i:i + group_size]))
                    for w in order for i in range(0, len(by_type[w]), group_size))
     return KVCacheLayout(groups, group_size)
+
+
+# A block-table entry no block sits behind: a window group's blocks before its window. Not a pool id,
+# so it is never ref-counted, copied, swapped or cached; the kernels never read it (they start at the
+# first block the window can see).
+NULL_BLOCK = -1
+
+FULL_ATTENTION_LAYOUT = kv_cache_layout([None])  # one full group: the layout of a model without windows
+
+
+def first_kept_block(num_computed_tokens: int, sliding_window: int | None, block_size: int) -> int:
+    """The first logical block a group must still hold when the next query starts at
+    `num_computed_tokens` (c): a window of W keeps positions >= max(0, c - W + 1), a full group all."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_computed_tokens - sliding_window + 1) // block_size
+
+
+def _max_blocks_spanned(num_positions: int, block_size: int) -> int:
+    """The most blocks `num_positions` consecutive positions can touch, wherever they start."""
+    return (num_positions + block_size - 2) // block_size + 1 if num_positions > 0 else 0
+
+
+def num_blocks_per_group(layout: KVCacheLayout, num_tokens: int, block_size: int,
+                         max_step_tokens: int = 1) -> tuple[int, ...]:
+    """The most blocks each group holds for one sequence growing to `num_tokens`, computing at most
+    `max_step_tokens` per step (1: decode; a prefill chunk holds all its blocks while the step runs).
+
+    A full group holds every block; a window group of W at most the blocks spanned by the window
+    plus the step's tokens (ceil(W / block_size) + 1 for a decode), never more than a full group."""
+    if num_tokens < 0 or max_step_tokens < 1 or block_size < 1:
+        raise ValueError(f"need num_tokens >= 0, max_step_tokens >= 1 and block_size >= 1, got {num_tokens},"
+                         f" {max_step_tokens}, {block_size}")
+    full = (num_tokens + block_size - 1) // block_size
+    return tuple(full if w is None else min(full, _max_blocks_spanned(w - 1 + max_step_tokens, block_size))
+                 for w in layout.sliding_windows)
+
+
+def num_blocks_per_seq(layout: KVCacheLayout, num_tokens: int, block_size: int, max_step_tokens: int = 1) -> int:
+    """Block ids (over all groups) one sequence of `num_tokens` holds at most: what KV sizing and
+    `kvpage plan` divide the pool by. Each block id costs layout.group_size layers' block bytes."""
+    return sum(num_blocks_per_group(layout, num_tokens, block_size, max_step_tokens))

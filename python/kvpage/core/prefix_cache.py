@@ -13,9 +13,13 @@ class BlockKey(NamedTuple):
     parent_hash: bytes
     token_bytes: bytes  # hashing.pack_tokens of the block's token ids
     extra_keys: tuple
+    # The KV-cache group whose layers' K/V the block holds (kv_cache_groups): equal tokens in two groups
+    # are two entries, since each group's block holds other layers.
+    group: int = 0
 
     def digest(self) -> bytes:
-        return hashing.hash_block(self.parent_hash, self.token_bytes, self.extra_keys)
+        """The block's index key: its chain hash (the same for every group), tagged with a group > 0."""
+        return hashing.group_key(hashing.hash_block(self.parent_hash, self.token_bytes, self.extra_keys), self.group)
 
 
 class PrefixCache:

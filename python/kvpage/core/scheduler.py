@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .block_manager import BlockManager
-from .block_table import num_blocks_for
+from .block_moves import live_blocks, num_unique_blocks
 from .interrupts import deferred_interrupts
+from .kv_cache_groups import NULL_BLOCK, num_blocks_per_seq
 from .policies import get_policy
 from .request import FinishReason, Request, RequestStatus
 from .scheduler_config import SchedulerConfig, SchedulerStats, check_max_model_len
@@ -113,9 +114,11 @@ class Scheduler:
                              f" or max_num_batched_tokens={cfg.max_num_batched_tokens}")
         total = check_max_model_len(num_prompt, max_tokens, cfg.max_model_len, f"request {request_id!r}: ")
         # Worst case: n private copies of the whole sequence (recompute undoes fork sharing), and
-        # admission keeps the watermark free, so only the rest of the cache is ever usable.
+        # admission keeps the watermark free, so only the rest of the cache is ever usable. A window
+        # group holds its window plus the largest chunk a step may compute.
         bm = self.bm
-        need = n * num_blocks_for(total, bm.block_size)
+        need = n * num_blocks_per_seq(bm.kv_cache_layout, total, bm.block_size,
+                                      min(total, cfg.max_num_batched_tokens))
         usable = bm.device.num_blocks - bm.watermark_blocks
         if need > usable:
             raise ValueError(f"request {request_id!r}: prompt of {num_prompt} tokens + max_tokens={max_tokens}"
@@ -333,7 +336,7 @@ class Scheduler:
             return self.preemption_mode
         if self.bm.host.num_blocks == 0:
             return "recompute"
-        num_blocks = len({b for s in seqs for b in s.block_table})
+        num_blocks = num_unique_blocks(seqs)
         num_tokens = sum(s.num_computed_tokens for s in seqs)
         return self.config.cost_model.choose(num_blocks, self.bm.block_size, num_tokens)
 
@@ -350,11 +353,14 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + n
         do_sample = end == seq.num_tokens
+        tables = [list(table) for table in seq.block_tables]
+        slots = self.bm.slot_mappings(seq, start, end)
         out.scheduled.append(ScheduledSequence(
-            request.request_id, seq.seq_id, start, n, seq.token_ids[start:end], list(seq.block_table),
-            self.bm.slot_mapping(seq, start, end), is_prefill=n > 1 or start < seq.num_prompt_tokens,
+            request.request_id, seq.seq_id, start, n, seq.token_ids[start:end], tables[0], slots[0],
+            is_prefill=n > 1 or start < seq.num_prompt_tokens,
             do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1,
-            prompt_logit_positions=request.prompt_logit_positions(start, end)))
+            prompt_logit_positions=request.prompt_logit_positions(start, end), block_tables=tables,
+            slot_mappings=slots))
         budget.tokens -= n
         budget.seqs -= 1
         if start < seq.num_prompt_tokens:
@@ -475,7 +481,7 @@ class Scheduler:
         self.bm.forget_contents(untrusted)
         readers = self.bm.in_step_readers()  # hit blocks this very step was to write
         victims = [r for r in self.running
-                   if any(seq.seq_id in readers or any(b in untrusted for b in seq.block_table) for seq in r.live_seqs())]
+                   if any(seq.seq_id in readers or any(b in untrusted for b in live_blocks(seq)) for seq in r.live_seqs())]
         victims += [r for r in self.swapped if r.request_id in out.preempted]  # its host copy may be unwritten
         # Oldest admitted ends up at the front of the queue, as recompute preemption leaves it.
         for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
@@ -487,12 +493,12 @@ class Scheduler:
         preemption freed and the step reused) is recomputed, and no such block stays a prefix hit."""
         self._roll_back()
         bs = self.bm.block_size
-        written = {slot for s in out.scheduled for slot in s.slot_mapping if slot >= 0}
+        written = {slot for s in out.scheduled for slots in s.slot_mappings for slot in slots if slot >= 0}
         written.update(b * bs + i for _, b in out.blocks_to_swap_in + out.blocks_to_copy for i in range(bs))
         host_written = {b for _, b in out.blocks_to_swap_out}
         self.bm.forget_contents({slot // bs for slot in written})
         victims = [r for r in self.running if any(_reads_written(seq, written, bs) for seq in r.live_seqs())]
-        victims += [r for r in self.swapped if any(b in host_written for s in r.live_seqs() for b in s.block_table)]
+        victims += [r for r in self.swapped if any(b in host_written for s in r.live_seqs() for b in live_blocks(s))]
         for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
             self._requeue_for_recompute(request)
 
@@ -559,7 +565,6 @@ class Scheduler:
 
 
 def _reads_written(seq: Sequence, written: set[int], block_size: int) -> bool:
-    """Whether a slot holding one of seq's computed tokens is among `written`."""
-    table = seq.block_table
-    return any(table[p // block_size] * block_size + p % block_size in written
-               for p in range(seq.num_computed_tokens))
+    """Whether a slot holding one of seq's computed tokens (in any group's table) is among `written`."""
+    return any(table[p // block_size] != NULL_BLOCK and table[p // block_size] * block_size + p % block_size in written
+               for table in seq.block_tables for p in range(seq.num_computed_tokens))

@@ -12,6 +12,9 @@ class ScheduledSequence:
 
     The K/V of positions < start are already in the cache (computed earlier or prefix-cache hits);
     the new tokens' K/V go to slot_mapping; attention covers context_len positions of block_table.
+    A hybrid KV cache (kv_cache_groups) has one table and slot mapping per group, in layout order, in
+    block_tables / slot_mappings (group 0's are block_table / slot_mapping); a window group's table
+    holds NULL_BLOCK (-1) before its window, entries no query of the step reads.
     """
 
     request_id: str
@@ -27,6 +30,14 @@ class ScheduledSequence:
     # Prompt positions (within this step's) whose logits the runner returns as well, for prompt_logprobs:
     # position p's logits give the log-probability of prompt token p + 1.
     prompt_logit_positions: range = range(0)
+    block_tables: list[list[int]] = field(default_factory=list)  # [] when built by hand: [block_table]
+    slot_mappings: list[list[int]] = field(default_factory=list)  # [] when built by hand: [slot_mapping]
+
+    def __post_init__(self) -> None:
+        if not self.block_tables:
+            self.block_tables = [self.block_table]
+        if not self.slot_mappings:
+            self.slot_mappings = [self.slot_mapping]
 
     @property
     def context_len(self) -> int:

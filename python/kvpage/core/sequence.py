@@ -25,15 +25,16 @@ class Sequence:
     """One stream of tokens with its KV cache.
 
     token_ids is append-only (prefix hashes of full blocks are memoised in block_hashes).
-    num_computed_tokens counts the leading tokens whose K/V sit in the cache. block_table and
-    swapped belong to the BlockManager: swapped means block_table indexes the host pool.
+    num_computed_tokens counts the leading tokens whose K/V sit in the cache. block_tables (one per
+    KV-cache group, in layout order, all the same length) and swapped belong to the BlockManager:
+    swapped means the tables index the host pool. block_table is group 0's.
     """
 
     seq_id: int
     token_ids: list[int]
     extra_keys: tuple = ()
     num_prompt_tokens: int = -1
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed_tokens: int = 0
     swapped: bool = False
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -46,6 +47,14 @@ class Sequence:
         _check_extra_keys(self.extra_keys)
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __len__(self) -> int:
         return len(self.token_ids)

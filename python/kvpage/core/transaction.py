@@ -5,7 +5,7 @@ computed-token counts, swap flags and tokens). A snapshot saves exactly that: th
 running and swapped requests up front, a waiting request the moment it is admitted. Restoring puts
 those back and then rebuilds the block pools' accounting from the restored block tables, so an
 exception anywhere (inside a block-pool method included) leaves no half-applied ref count behind.
-Cost: a copy of each touched sequence's block table per step, nothing per token.
+Cost: a copy of each touched sequence's block tables (one per KV-cache group) per step, nothing per token.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .sequence import Sequence
 @dataclass(frozen=True)
 class _SeqState:
     seq: Sequence
-    block_table: list[int]
+    block_tables: list[list[int]]  # every KV-cache group's
     num_computed_tokens: int
     swapped: bool
     num_tokens: int
@@ -26,12 +26,12 @@ class _SeqState:
 
     @classmethod
     def of(cls, seq: Sequence) -> "_SeqState":
-        return cls(seq, list(seq.block_table), seq.num_computed_tokens, seq.swapped, len(seq.token_ids),
+        return cls(seq, [list(t) for t in seq.block_tables], seq.num_computed_tokens, seq.swapped, len(seq.token_ids),
                    len(seq.block_hashes))
 
     def restore(self) -> None:
         seq = self.seq
-        seq.block_table, seq.num_computed_tokens = list(self.block_table), self.num_computed_tokens
+        seq.block_tables, seq.num_computed_tokens = [list(t) for t in self.block_tables], self.num_computed_tokens
         seq.swapped = self.swapped
         del seq.token_ids[self.num_tokens:]
         # The memoised hashes of blocks completed by tokens taken back would outlive those tokens.
