@@ -138,47 +138,17 @@ def test_llm_rejects_a_dtype_before_converting_the_model():
     assert model.dtype == torch.float32  # the caller's model was not converted in place
 
 
-def test_sliding_window_caps_max_model_len():
-    """The kernels attend over the whole sequence, which is the model's windowed attention only within
-    the window: LLM caps max_model_len there (a longer prompt is refused up front, a longer output
-    stops at the window with finish reason "length"), and inside the window its greedy tokens equal
-    HF generate's."""
-    import copy
-
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    import kvpage
-    from tiny_models import random_prompts
-
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                           sliding_window=24, initializer_range=0.2, tie_word_embeddings=False)
-    reference = MistralForCausalLM(config).eval()
-    reference.set_attn_implementation("sdpa")
-    llm = kvpage.LLM(model=copy.deepcopy(reference), num_kv_blocks=64)
-    assert llm.llm_engine.config.max_model_len == 24
-    prompt = random_prompts([10])[0]
-    params = kvpage.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    want = reference.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, min_new_tokens=14)
-    assert got == want[0, len(prompt):].tolist()
-    capped = llm.generate([prompt], kvpage.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
-    assert capped.token_ids == got and capped.finish_reason == "length"
-    with pytest.raises(ValueError, match="prompt of 25 tokens exceeds max_model_len=24"):
-        llm.generate([random_prompts([25])[0]], params, use_tqdm=False)
-
-
-def test_no_sliding_window_keeps_max_position_embeddings():
-    from transformers import Qwen2Config
+def test_a_sliding_window_does_not_cap_max_model_len():
+    """The kernels apply each layer's window: the context is max_position_embeddings, window or not
+    (tests/model/test_sliding_window_families.py runs sequences several windows long)."""
+    from transformers import MistralConfig, Qwen2Config
 
     from kvpage.engine.model_config import max_model_len as _max_model_len
 
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64)) == 512  # not in use
     assert _max_model_len(Qwen2Config(max_position_embeddings=512, sliding_window=64, use_sliding_window=True,
-                                      max_window_layers=1, num_hidden_layers=2)) == 64
+                                      max_window_layers=1, num_hidden_layers=2)) == 512
+    assert _max_model_len(MistralConfig(max_position_embeddings=512, sliding_window=24)) == 512
 
 
 def test_dtype_auto_keeps_the_models_dtype():

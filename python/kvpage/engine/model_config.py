@@ -58,28 +58,47 @@ def resolve_dtype(dtype):
 
 
 def max_model_len(config) -> int | None:
-    """The model's context, capped at its sliding window where it has one: the kernels attend over
-    the whole sequence, which equals windowed attention only while a sequence fits in the window, so
-    a longer request is refused up front (add_request) rather than failing mid-generation."""
-    limit = getattr(config, "max_position_embeddings", None)
-    window = sliding_window(config)
-    if window is not None and (limit is None or window < limit):
-        logger.info("kvpage: max_model_len capped at the model's sliding window of %d tokens", window)
-        return window
-    return limit
+    """The model's context, max_position_embeddings: sliding-window layers attend within their window
+    in the kernels (layer_sliding_windows), so the window is no cap on the sequence."""
+    layer_sliding_windows(config)  # a layer type kvpage cannot run is refused before anything loads
+    return getattr(config, "max_position_embeddings", None)
 
 
-def sliding_window(config) -> int | None:
-    """The sliding window some layer of this model attends within, or None (Mistral sets one; Qwen2 only
-    with use_sliding_window; layer_types, where present, says whether any layer uses it)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
+# Families whose attention layers all take config.sliding_window (their modeling code passes
+# sliding_window=getattr(self.config, "sliding_window", None) to every layer and ignores layer_types).
+UNIFORM_WINDOW_TYPES = ("mistral", "mixtral", "phi3", "starcoder2", "olmoe", "minimax", "ministral3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_sliding_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (a query at p reads keys in (p - W, p]), None for full attention.
+
+    As HF's modeling code decides it: Mistral-like families apply config.sliding_window to every layer;
+    the others (Gemma 2 / 3, Qwen2 with use_sliding_window, whose config turns max_window_layers into
+    layer_types, gpt-oss, Cohere2, ...) to the layers config.layer_types calls "sliding_attention".
+    A layer type kvpage has no kernel for (chunked, linear attention, ...) raises NotImplementedError."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = config.num_hidden_layers
+    window = _window_of(config)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if getattr(config, "model_type", None) in UNIFORM_WINDOW_TYPES or layer_types is None:
+        return [window] * num_layers
+    others = sorted(set(layer_types) - set(LAYER_TYPES))
+    if others:
+        raise NotImplementedError(f"{config.model_type} has {others} layers: kvpage's paged attention runs"
+                                  f" {list(LAYER_TYPES)} layers only")
+    if len(layer_types) < num_layers:
+        raise ValueError(f"config.layer_types names {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+    return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+
+
+def _window_of(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    # Qwen2-MoE writes 0 for "no window" (Qwen2 writes None) when use_sliding_window is off.
+    if window is None or window == 0 or getattr(config, "use_sliding_window", True) is False:
         return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config.sliding_window must be a positive int or None, got {window!r}")
     return window
 
 
