@@ -26,8 +26,10 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def generate_both(model, input_ids, attention_mask, seed: int = 0, cache_kwargs: dict | None = None,
-                  **generate_kwargs) -> Pair:
-    model.set_attn_implementation("sdpa")
+                  reference_attention: str = "sdpa", **generate_kwargs) -> Pair:
+    """reference_attention: "eager" for models whose attention sdpa cannot compute (Gemma 2's softcap,
+    gpt-oss's sinks)."""
+    model.set_attn_implementation(reference_attention)
     torch.manual_seed(seed)
     with torch.inference_mode():
         reference = model.generate(input_ids, attention_mask=attention_mask,

@@ -201,16 +201,18 @@ def test_a_pass_that_stops_midway_is_taken_back(models):
 
 
 def test_an_error_at_a_later_layer_leaves_the_cache_as_it_was():
-    """Qwen2 with a sliding window from layer 1 on: layer 0 has written the pass's K/V when layer 1 refuses it."""
-    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    """Layer 1 refuses the pass (it claims to attend bidirectionally) after layer 0 has written its K/V."""
+    model = tiny_model("qwen2")
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
     model.set_attn_implementation("kvpage")
     tokens = random_prompts([6], seed=13)[0]
     cache = PagedCache(model.config, block_size=4)
     forward(model, torch.tensor([tokens]), cache)
-    with pytest.raises(NotImplementedError, match="layer 1's window of 8"):
+    model.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(NotImplementedError, match="causal only"):
         forward(model, torch.tensor([[5, 6, 7]]), cache)
+    model.model.layers[1].self_attn.is_causal = True
     assert cache.row_lengths() == [6] and cache.stats().num_blocks_used == 2
     logits = forward(model, torch.tensor([[9]]), cache)
     torch.testing.assert_close(logits, full_logits(reference, [tokens + [9]]), rtol=1e-4, atol=1e-4)

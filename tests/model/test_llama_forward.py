@@ -144,11 +144,18 @@ def test_rotary_tables_are_hfs_bit_for_bit(rope):
     (LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, hidden_act="gelu"), "hidden_act"),
     (LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4,
                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "dynamic"),
-    (Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                 use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding window"),
 ])
 def test_the_config_decides_which_models_take_the_owned_forward(config, reason):
     assert reason in llama_family_mismatch(config)
+
+
+def test_sliding_window_llama_family_models_take_the_owned_forward():
+    """Mistral's window and Qwen2's (use_sliding_window, from max_window_layers on) are each layer's own."""
+    qwen2 = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                        use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert llama_family_mismatch(qwen2) is None
+    forward = LlamaForward.build(tiny_model("mistral", sliding_window=4))
+    assert [layer.sliding_window for layer in forward.layers] == [4, 4] and forward.sliding_window == 4
 
 
 def test_other_models_run_hfs_modules():
@@ -158,14 +165,6 @@ def test_other_models_run_hfs_modules():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     runner = ModelRunner(GemmaForCausalLM(config).eval(), num_kv_blocks=8, block_size=BLOCK)
     assert isinstance(runner.forward, HFForward)
-
-
-def test_a_mistral_sequence_past_its_window_is_refused():
-    forward = LlamaForward.build(tiny_model("mistral", sliding_window=4))
-    model = tiny_model("mistral", sliding_window=4)
-    meta = AttentionMetadata.build([5], [5], [[0]], list(range(5)))
-    with torch.inference_mode(), pytest.raises(NotImplementedError, match="sliding window"):
-        forward(torch.arange(5), torch.arange(5), meta, _caches(model, torch.float32))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -121,25 +121,10 @@ def test_attention_outside_a_step_raises():
         model(torch.tensor([[1, 2, 3]]))
 
 
-def test_sliding_window_beyond_the_sequence_is_refused():
-    module = torch.nn.Module()
-    module.layer_idx = 0
-    q = torch.zeros(1, 2, 3, 16)
-    metadata = AttentionMetadata.build([3], [3], [[0]], [0, 1, 2])
-    caches = [ops.allocate_kv_cache(1, BLOCK, 2, 16)]
-    with set_forward_context(metadata, caches):
-        out, _ = kvpage_attention_forward(module, q, q, q, None, sliding_window=3)
-        assert out.shape == (1, 3, 2, 16)
-        with pytest.raises(NotImplementedError, match="sliding window"):
-            kvpage_attention_forward(module, q, q, q, None, sliding_window=2)
-
-
-@pytest.mark.parametrize("kwargs,match", [(dict(s_aux=torch.zeros(2)), "attention sinks"),
-                                          (dict(sinks=torch.zeros(2)), "attention sinks"),
-                                          (dict(position_bias=torch.zeros(1, 2, 3, 3)), "position_bias"),
+@pytest.mark.parametrize("kwargs,match", [(dict(position_bias=torch.zeros(1, 2, 3, 3)), "position_bias"),
                                           (dict(is_causal=False), "causal only")])
 def test_attention_refuses_what_the_kernels_do_not_compute(kwargs, match):
-    """GPT-OSS's sinks, T5-style position bias, a bidirectional layer: ignoring them would silently differ."""
+    """T5-style position bias, a bidirectional layer: ignoring them would silently differ."""
     module = torch.nn.Module()
     module.layer_idx = 0
     q = torch.zeros(1, 2, 3, 16)

@@ -188,12 +188,14 @@ class PagedCache(Cache):
     # -- kvpage ----------------------------------------------------------------------------------
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               padding_mask: torch.Tensor | None, scale: float | None = None,
-               sliding_window: int | None = None) -> torch.Tensor:
+               padding_mask: torch.Tensor | None, scale: float | None = None, **options) -> torch.Tensor:
         """Write layer `layer_idx`'s new K/V into the blocks and attend over each row's cached tokens.
 
         query [B, H, T, D], key/value [B, KVH, T, D] as HF's attention layer hands them; padding_mask
-        the 2D mask [B, past + T] or None (no padding). Returns [B, T, H, D]; padding tokens get zeros.
+        the 2D mask [B, past + T] or None (no padding). options: the layer's sliding_window / softcap /
+        sinks (kvpage.model.attention.layer_options), as paged_attention_forward takes them; a row's window
+        counts its real tokens, which under left padding are as far apart as HF's columns. Returns
+        [B, T, H, D]; padding tokens get zeros.
         """
         if self._pending_layer != layer_idx:
             raise RuntimeError(f"PagedCache.attend for layer {layer_idx} without its update (pending:"
@@ -201,7 +203,7 @@ class PagedCache(Cache):
         self._pending_layer = None
         try:
             step = self._step_for(layer_idx, query, padding_mask)
-            out = self._attend(step, layer_idx, query, key, value, scale, sliding_window)
+            out = self._attend(step, layer_idx, query, key, value, scale, options)
         except BaseException:
             self.abort_pass()  # an error at layer 3 must not leave layers 0-2 holding this pass's K/V alone
             raise
@@ -217,26 +219,24 @@ class PagedCache(Cache):
             self._undo(step.undo)
 
     def _attend(self, step: PassLayout, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float | None, sliding_window: int | None) -> torch.Tensor:
+                scale: float | None, options: dict) -> torch.Tensor:
         batch, num_heads, query_len, head_size = query.shape
         out = query.new_empty((batch, query_len, num_heads, head_size))
         if step.metadata is None:
             return out.zero_()
-        if sliding_window is not None and step.metadata.max_seq_len > sliding_window:
-            raise NotImplementedError(f"kvpage attention has no sliding window: a row of {step.metadata.max_seq_len}"
-                                      f" tokens exceeds layer {layer_idx}'s window of {sliding_window}")
         # [B, H, T, D] is a transposed view of the projections' [B, T, H, D]: flattening it is free.
         q, k, v = (x.transpose(1, 2).reshape(batch * query_len, x.shape[1], head_size) for x in (query, key, value))
         key_cache, value_cache = self.kv_caches[layer_idx]
         flat_out = out.view(batch * query_len, num_heads, head_size)
         if step.token_index is None:
-            paged_attention_forward(q, k, v, key_cache, value_cache, step.metadata, scale=scale, out=flat_out)
+            paged_attention_forward(q, k, v, key_cache, value_cache, step.metadata, scale=scale, out=flat_out,
+                                    **options)
         else:
             # Padding present: the kernels see only the real tokens, packed row after row.
             index = step.token_index
             packed = paged_attention_forward(q.index_select(0, index), k.index_select(0, index),
                                              v.index_select(0, index), key_cache, value_cache, step.metadata,
-                                             scale=scale)
+                                             scale=scale, **options)
             flat_out.zero_().index_copy_(0, index, packed)
         return out
 

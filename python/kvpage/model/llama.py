@@ -1,5 +1,9 @@
 """kvpage's own forward for Llama-family decoders (Llama, Qwen2, Mistral), built once from a HF model.
 
+Sliding windows (Mistral's on every layer, Qwen2's with use_sliding_window on the layers from
+max_window_layers on) are each layer's own, from engine.model_config.layer_sliding_windows, applied by
+the attention kernels; each layer reads its KV-cache group's block tables (AttentionMetadata.for_layer).
+
 The runner calls it explicitly, `hidden = forward(input_ids, positions, attn_metadata, kv_caches)`, in
 place of transformers' modules (as nano-vllm's models/qwen3.py and vLLM's models/llama.py own theirs):
 every layer is pre-norm attention plus a gated-SiLU MLP, with q/k/v and gate/up each one matrix, and
@@ -27,7 +31,9 @@ from kvpage.ops import layers
 from kvpage.ops._library import ops as _library_ops
 from kvpage.ops.config import range_checks_enabled
 
-from .attention import check_sliding_window, head_dim_of, paged_attention_forward
+from kvpage.engine.model_config import LAYER_TYPES, layer_sliding_windows
+
+from .attention import attention_options, head_dim_of, paged_attention_forward
 from .cpu_layout import pack_slabs, slab_kernel_available
 from .metadata import AttentionMetadata, KVCache
 from .tensor_parallel import ParallelLMHead, RowParallelLinear
@@ -52,14 +58,10 @@ def llama_family_mismatch(config) -> str | None:
         return f"rope_type {rope['rope_type']!r} changes its frequencies with the sequence length"
     if getattr(config, "is_heterogeneous", False):
         return "its layers differ from one another (a heterogeneous config)"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "some layers attend through a sliding window"
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if others:
+        return f"it has {others} layers"
     return None
-
-
-def _sliding_window(config) -> int | None:
-    """Mistral's window applies to every layer (none of Llama's or, past llama_family_mismatch, Qwen2's)."""
-    return getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
 
 
 class RotaryEmbedding:
@@ -135,16 +137,17 @@ class DecoderLayer:
     reduce_down: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Write + attend: the paged ops, or a DCP rank's share of the group's attention (context_parallel.py).
     attention: Callable[..., torch.Tensor] = paged_attention_forward
+    sliding_window: int | None = None  # a query at p reads keys in (p - W, p]; None: the whole context
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, config) -> "DecoderLayer":
+    def of(cls, layer: torch.nn.Module, config, sliding_window: int | None = None) -> "DecoderLayer":
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         head_dim = head_dim_of(config)
         return cls(norms[0].weight, norms[1].weight, tuple(float(n.variance_epsilon) for n in norms),
                    Linear.of(attn.q_proj, attn.k_proj, attn.v_proj), Linear.of(attn.o_proj),
                    Linear.of(mlp.gate_proj, mlp.up_proj), Linear.of(mlp.down_proj), head_dim, head_dim**-0.5,
-                   _reduce_of(attn.o_proj), _reduce_of(mlp.down_proj))
+                   _reduce_of(attn.o_proj), _reduce_of(mlp.down_proj), sliding_window=sliding_window)
 
     def packed_weights(self) -> list[torch.Tensor]:
         return [lin.packed for lin in (self.qkv, self.o, self.gate_up, self.down) if lin.packed is not None]
@@ -161,7 +164,8 @@ class DecoderLayer:
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv(layers.rms_norm(x, self.input_norm,
                                                                                      self.epsilons[0])))
         q, k = layers.rotary_embedding(q, k, cos, sin)
-        attn = self.attention(q, k, v, *kv_cache, meta, scale=self.scale)
+        attn = self.attention(q, k, v, *kv_cache, meta, scale=self.scale,
+                              **attention_options(self.sliding_window, None, None))
         x = x + _reduced(self.o(attn.reshape(tokens, -1))[0], self.reduce_o)
         gate, up = self.gate_up(layers.rms_norm(x, self.post_norm, self.epsilons[1]))
         return x + _reduced(self.down(layers.silu_and_mul(gate, up))[0], self.reduce_down)
@@ -180,13 +184,15 @@ class FusedCpuLayer:
     widths: list[int]  # [q, k, v, head_size, intermediate]
     epsilons: list[float]
     scale: float
+    sliding_window: int | None = None
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> "FusedCpuLayer":
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         return cls([layer.input_norm, layer.qkv.packed, layer.o.packed, layer.post_norm, layer.gate_up.packed,
                     layer.down.packed], [lin.packed_bias for lin in linears],
-                   [*layer.qkv.widths, layer.head_dim, layer.gate_up.widths[0]], list(layer.epsilons), layer.scale)
+                   [*layer.qkv.widths, layer.head_dim, layer.gate_up.widths[0]], list(layer.epsilons), layer.scale,
+                   layer.sliding_window)
 
     def packed_weights(self) -> list[torch.Tensor]:
         return [self.weights[i] for i in (1, 2, 4, 5)]
@@ -196,7 +202,8 @@ class FusedCpuLayer:
         key_cache, value_cache = kv_cache
         return _decoder_layer_op(x, self.weights, self.biases, self.widths, self.epsilons, self.scale, cos, sin,
                                  key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, meta.max_query_len, range_checks_enabled())
+                                 meta.query_start_loc, meta.max_query_len, range_checks_enabled(),
+                                 **attention_options(self.sliding_window, None, None))
 
 
 def uses_slab_backend(model: torch.nn.Module) -> bool:
@@ -216,6 +223,7 @@ class LlamaForward:
     norm_epsilon: float
     lm_head: Linear
     gather_logits: Callable[[torch.Tensor], torch.Tensor] | None  # a vocabulary-parallel head's gather
+    # The widest layer window, None without one: the runner keeps CUDA graphs off windowed models.
     sliding_window: int | None
 
     @classmethod
@@ -229,8 +237,12 @@ class LlamaForward:
         layer's write + attend in place of the paged ops (a decode-context-parallel rank's)."""
         config, base = model.config, model.base_model
         head = model.get_output_embeddings()
-        decoder = [DecoderLayer.of(layer, config) for layer in base.layers]
+        windows = layer_sliding_windows(config)
+        decoder = [DecoderLayer.of(layer, config, window) for layer, window in zip(base.layers, windows)]
         if attention is not None:
+            if any(w is not None for w in windows):
+                raise NotImplementedError("decode context parallelism does not support sliding-window layers"
+                                          f" (this {config.model_type} model's windows: {sorted(set(windows) - {None})})")
             decoder = [replace(layer, attention=attention) for layer in decoder]
         lm_head = Linear.of(head)
         if uses_slab_backend(model):
@@ -243,16 +255,16 @@ class LlamaForward:
             decoder = [FusedCpuLayer.of(layer) if fused_cpu_layers and not layer.is_sharded else layer for layer in decoder]
         return cls(base.embed_tokens, RotaryEmbedding(base.rotary_emb), decoder, base.norm.weight,
                    float(base.norm.variance_epsilon), lm_head,
-                   head.gather if isinstance(head, ParallelLMHead) else None, _sliding_window(config))
+                   head.gather if isinstance(head, ParallelLMHead) else None,
+                   max((w for w in windows if w is not None), default=None))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                  kv_caches: list[KVCache]) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flat batch input_ids / positions [T]."""
-        check_sliding_window(self.sliding_window, attn_metadata)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, attn_metadata, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, cos, sin, attn_metadata.for_layer(i), kv_cache)
         return layers.rms_norm(x, self.norm_weight, self.norm_epsilon)
 
     def packed_weights(self) -> list[torch.Tensor]:
