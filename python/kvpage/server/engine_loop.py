@@ -45,8 +45,14 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """False where the handler's event loop is gone (closed by an embedding application): nobody
+        can read this request's outputs any more."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 _STOP = object()
@@ -96,7 +102,13 @@ class EngineLoop:
         command = _Add(request_id, prompt, token_ids, params, cache_salt,
                        _Sink(asyncio.get_running_loop(), outputs))
         self._commands.put(command)
-        await asyncio.wrap_future(command.done)
+        try:
+            await asyncio.wrap_future(command.done)
+        except asyncio.CancelledError:
+            # Cancelled (a timeout around the handler, a client gone): the loop either skips the command
+            # (not taken yet) or has added the request, which nobody would read; withdraw it either way.
+            self.abort([request_id])
+            raise
 
     def abort(self, request_ids) -> None:
         """Withdraw requests (a client went away): their blocks are freed before the next step."""
@@ -111,11 +123,21 @@ class EngineLoop:
             if any(c is _STOP for c in commands):
                 self._close(commands)
                 return
-            self._apply(commands)
-            if engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._publish()
+            try:
+                self._apply(commands)
+                if engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._publish()
+            except Exception:
+                # Nothing a client or an embedding application does may end this thread (/health would
+                # turn 503 and every client in flight wait forever): a failure here is logged, and the
+                # requests in flight are told and withdrawn so that the engine starts clean.
+                logger.exception("kvpage server: the engine loop failed outside a step; its requests are aborted")
+                try:
+                    self._fail_all(EngineStepError("the engine loop failed; the request was aborted"))
+                except Exception:
+                    logger.exception("kvpage server: aborting the requests in flight failed too")
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -127,18 +149,24 @@ class EngineLoop:
 
     def _apply(self, commands: list) -> None:
         added = 0
-        for command in commands:
-            if isinstance(command, _Add):
-                added += 1
-                self._add(command)
-            else:
-                for rid in command:
-                    self._sinks.pop(rid, None)
-                self.engine.abort_request(command)
-        if added:
-            self._publish(taken=added)
+        try:
+            for command in commands:
+                if isinstance(command, _Add):
+                    added += 1
+                    self._add(command)
+                else:
+                    for rid in command:
+                        self._sinks.pop(rid, None)
+                    self.engine.abort_request(command)
+        finally:
+            if added:
+                self._publish(taken=added)
 
     def _add(self, c: _Add) -> None:
+        """Add one request and answer its submitter. A submission cancelled before this thread took it
+        is skipped; once taken (set_running) it can no longer be cancelled, so the answer always lands."""
+        if not c.done.set_running_or_notify_cancel():
+            return
         try:
             self.engine.add_request(c.request_id, c.prompt, c.params, prompt_token_ids=c.token_ids, stream=True,
                                     cache_salt=c.cache_salt)
@@ -160,18 +188,22 @@ class EngineLoop:
                        self.engine.failed_request_ids)
             return
         self._publish()  # before the outputs: a client that saw its request end sees it in /metrics too
+        gone = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink.put(out)
+            if not sink.put(out) and not out.finished:
+                gone.append(out.request_id)
+        if gone:
+            self._fail(EngineStepError("the request's event loop is closed"), gone)
 
     def _close(self, commands: list) -> None:
         error = EngineStepError("the server is shutting down")
         for c in commands:
-            if isinstance(c, _Add):
+            if isinstance(c, _Add) and c.done.set_running_or_notify_cancel():
                 c.done.set_exception(error)
         self._fail_all(error)
 
