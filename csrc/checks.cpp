@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <unordered_set>
 
 namespace kvpage {
@@ -180,6 +181,35 @@ float* check_lse(const std::optional<at::Tensor>& lse, const at::Tensor& out, co
   return t.data_ptr<float>();
 }
 
+AttentionOptions check_attention_options(std::optional<int64_t> sliding_window, std::optional<double> softcap,
+                                         const std::optional<at::Tensor>& sinks, const at::Tensor& query,
+                                         const at::Tensor& out) {
+  AttentionOptions o;
+  if (sliding_window.has_value()) {
+    TORCH_CHECK_VALUE(*sliding_window > 0 && *sliding_window <= INT32_MAX,
+                      "sliding_window must be a positive int32, got ", *sliding_window);
+    o.window = *sliding_window;
+  }
+  if (softcap.has_value()) {
+    const float cap = static_cast<float>(*softcap);
+    TORCH_CHECK_VALUE(std::isfinite(cap) && cap > 0.f, "softcap must be a positive number finite in float32, got ",
+                      *softcap);
+    o.softcap = cap;
+  }
+  if (sinks.has_value()) {
+    const at::Tensor& t = *sinks;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "sinks must have dtype float32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == query.size(1), "sinks must be [num_heads] = [", query.size(1),
+                      "], got ", t.sizes());
+    TORCH_CHECK_VALUE(t.device() == query.device(), "sinks must be on the same device as query (", query.device(),
+                      "), got ", t.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "sinks must be contiguous");
+    check_disjoint(out, "out", t, "sinks");
+    o.sinks = t.data_ptr<float>();
+  }
+  return o;
+}
+
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
                   const CacheShape& cache) {
   TORCH_CHECK_VALUE(query.size(0) == seq_lens.size(0), "query has ", query.size(0),
@@ -287,15 +317,18 @@ void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
 }
 
 void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const CacheShape& cache) {
+                              const CacheShape& cache, int64_t window, const at::Tensor* query_start_loc) {
   const auto tables = block_tables.cpu();
   const auto lens = seq_lens.cpu();
+  const auto loc = query_start_loc != nullptr ? query_start_loc->cpu() : at::Tensor();
   const int32_t* t = tables.data_ptr<int32_t>();
   const int32_t* l = lens.data_ptr<int32_t>();
+  const int32_t* q = loc.defined() ? loc.data_ptr<int32_t>() : nullptr;
   const int64_t max_blocks = tables.size(1);
   for (int64_t s = 0; s < tables.size(0); ++s) {
     const int64_t used = (int64_t(l[s]) + cache.block_size - 1) / cache.block_size;
-    for (int64_t b = 0; b < used; ++b) {
+    const int64_t q_len = q != nullptr ? int64_t(q[s + 1]) - q[s] : 1;
+    for (int64_t b = first_window_block(l[s] - q_len, window, cache.block_size); b < used; ++b) {
       const int32_t id = t[s * max_blocks + b];
       TORCH_CHECK_VALUE(id >= 0 && id < cache.num_blocks, "block_tables[", s, ", ", b, "] = ", id,
                         " is outside the cache's ", cache.num_blocks, " blocks");

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "attention_window.h"
+
 namespace kvpage {
 
 // float8_e4m3fn caches store K/V quantised with per-tensor scales (ops.h).
@@ -50,6 +52,20 @@ float* check_lse(const std::optional<at::Tensor>& lse, const at::Tensor& out, co
                  const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, const at::Tensor* query_start_loc = nullptr);
 
+// The attention options (ops.h) as the kernels take them: window 0 and softcap 0 mean none, sinks
+// the float32 [num_heads] data (on query's device) or null.
+struct AttentionOptions {
+  int64_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+};
+
+// sliding_window positive (and within int32, the kernels' position type), softcap positive and finite
+// in float32, sinks float32 [num_heads] contiguous on query's device, sharing no memory with out.
+AttentionOptions check_attention_options(std::optional<int64_t> sliding_window, std::optional<double> softcap,
+                                         const std::optional<at::Tensor>& sinks, const at::Tensor& query,
+                                         const at::Tensor& out);
+
 // Decode: one query token per sequence; partition_size 0 (auto) or a multiple of block_size.
 void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t partition_size,
                   const CacheShape& cache);
@@ -76,9 +92,12 @@ inline int64_t block_bytes(const at::Tensor& t) {
 void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
                     const CacheShape& cache, int64_t min_len);
 
-// Range checks need the index data on the host.
+// Range checks need the index data on the host. They check the entries the kernels read: a
+// sequence's blocks from the first its earliest query's window reaches (query_start_loc: prefill's
+// query lengths, null for decode's one query per sequence) up to seq_len.
 void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const CacheShape& cache);
+                              const CacheShape& cache, int64_t window = 0,
+                              const at::Tensor* query_start_loc = nullptr);
 void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache);
 void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks, bool check_ranges, bool forbid_src_dst_overlap);

@@ -10,6 +10,12 @@
 // fp8 cache holds round_to_nearest_even(clamp(x * (1 / scale), -448, 448)) with one per-tensor
 // k_scale / v_scale (vLLM's kv_cache_dtype="fp8"), and attention reads code * scale. The scales
 // must be 1.0 for the other cache dtypes.
+//
+// Attention options (decode and prefill, every backend): sliding_window W, a query at position p
+// sees keys in (p - W, p] (block-table entries before the first block the earliest query's window
+// reaches are never read: they may hold any id); softcap c, scores become c * tanh(s / c) after the
+// scale (Gemma 2); sinks, float32 [num_heads], one extra logit per query head in the softmax
+// denominator that brings no value (gpt-oss's s_aux), counted in lse too.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,14 +39,17 @@
                        const at::Tensor& value_cache, const at::Tensor& block_tables,            \
                        const at::Tensor& seq_lens, double scale, int64_t partition_size,         \
                        bool check_ranges, double k_scale, double v_scale,                         \
-                       const std::optional<at::Tensor>& lse);                                     \
+                       const std::optional<at::Tensor>& lse, std::optional<int64_t> sliding_window, \
+                       std::optional<double> softcap, const std::optional<at::Tensor>& sinks);      \
   /* Varlen causal prefill over the paged cache (chunked prefill, prefix hits); lse as above,   \
      over each query token's causal context. */                                                   \
   void paged_prefill_attention(at::Tensor& out, const at::Tensor& query,                         \
                                const at::Tensor& key_cache, const at::Tensor& value_cache,       \
                                const at::Tensor& block_tables, const at::Tensor& query_start_loc, \
                                const at::Tensor& seq_lens, double scale, bool check_ranges,      \
-                               double k_scale, double v_scale, const std::optional<at::Tensor>& lse); \
+                               double k_scale, double v_scale, const std::optional<at::Tensor>& lse, \
+                               std::optional<int64_t> sliding_window, std::optional<double> softcap, \
+                               const std::optional<at::Tensor>& sinks);                           \
   /* block_mapping int64 [n, 2] of (src, dst); every layer in one call. */                       \
   void copy_blocks(at::TensorList key_caches,                                                    \
                    at::TensorList value_caches, const at::Tensor& block_mapping,                 \
@@ -68,13 +77,16 @@
                      const std::optional<at::Tensor>& bias);                                      \
   /* A Llama pre-norm decoder layer on hidden [tokens, hidden] of one flat step (cpu/decoder_layer.cpp): \
      weights [input_norm, qkv, o, post_norm, gate_up, down] (linears packed), biases [qkv, o,     \
-     gate_up, down], widths [q, k, v, head_size, intermediate], epsilons of the two norms. */     \
+     gate_up, down], widths [q, k, v, head_size, intermediate], epsilons of the two norms;        \
+     the attention options as for paged_attention. */                                             \
   at::Tensor llama_decoder_layer(                                                                 \
       const at::Tensor& hidden, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, \
       at::IntArrayRef widths, at::ArrayRef<double> epsilons, double scale, const at::Tensor& cos,  \
       const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,                      \
       const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, \
-      const at::Tensor& query_start_loc, int64_t max_query_len, bool check_ranges);
+      const at::Tensor& query_start_loc, int64_t max_query_len, bool check_ranges,                  \
+      std::optional<int64_t> sliding_window, std::optional<double> softcap,                       \
+      const std::optional<at::Tensor>& sinks);
 
 namespace kvpage {
 namespace cpu {

@@ -14,11 +14,13 @@ TORCH_LIBRARY(kvpage, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int partition_size=0, "
-      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None) -> ()");
+      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None, "
+      "int? sliding_window=None, float? softcap=None, Tensor? sinks=None) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None) -> ()");
+      "bool check_ranges=True, float k_scale=1.0, float v_scale=1.0, Tensor(b!)? lse=None, "
+      "int? sliding_window=None, float? softcap=None, Tensor? sinks=None) -> ()");
   m.def(
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
       "bool check_ranges=True) -> ()");
@@ -33,7 +35,7 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("llama_decoder_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] widths, float[] epsilons, "
         "float scale, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int max_query_len, "
-        "bool check_ranges=True) -> Tensor");
+        "bool check_ranges=True, int? sliding_window=None, float? softcap=None, Tensor? sinks=None) -> Tensor");
 }
 
 #define KVPAGE_REGISTER_BACKEND(ns)                                  \

@@ -42,27 +42,32 @@ AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tens
   return a;
 }
 
-// Validation shared by decode and prefill; returns the cache shape.
+// Validation shared by decode and prefill (but the table's range check, which needs the options'
+// window and prefill's query lengths); returns the cache shape.
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
-                           double k_scale, double v_scale) {
+                           const at::Tensor& seq_lens, int64_t min_seq_len, double k_scale, double v_scale) {
   const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                   k_scale, v_scale, /*float32_over_16bit=*/true);
   check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
-  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache);
   return cache;
+}
+
+void set_options(AttentionArgs& a, const AttentionOptions& o) {
+  a.window = o.window, a.softcap = o.softcap, a.sinks = o.sinks;
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Splits long contexts only when one sequence's work would leave cores idle: a sequence longer
 // than a quarter of an even per-thread share is cut into fixed partitions (vLLM's v2 idea).
+// Lengths are what each sequence reads: from decode_begin (its window's first block) to seq_len.
 int64_t choose_partition_size(const AttentionArgs& a, int64_t requested) {
   int64_t max_len = 1, total = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
-    max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
-    total += a.seq_lens[s];
+    const int64_t len = a.seq_lens[s] - decode_begin(a, s);
+    max_len = std::max<int64_t>(max_len, len);
+    total += len;
   }
   const int64_t single_pass = round_up(max_len, a.block_size);
   if (requested > 0) return std::min(requested, single_pass);
@@ -94,20 +99,25 @@ WorkSplit split_work(int64_t num_seqs, const ItemsOf& items_of) {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse) {
+                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse,
+                     std::optional<int64_t> sliding_window, std::optional<double> softcap,
+                     const std::optional<at::Tensor>& sinks) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           1, check_ranges, k_scale, v_scale);
+                                           1, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
+  const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
+  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window);
   float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                               k_scale, v_scale);
   a.lse = lse_data;
+  set_options(a, options);
 
   DecodePlan plan{};
   plan.partition_size = choose_partition_size(a, partition_size);
   const WorkSplit parts = split_work(a.num_seqs, [&](int64_t s) {
-    return (a.seq_lens[s] + plan.partition_size - 1) / plan.partition_size;
+    return (a.seq_lens[s] - decode_begin(a, s) + plan.partition_size - 1) / plan.partition_size;
   });
   const int64_t num_parts = parts.size();
   plan.part_offset = parts.offset.data(), plan.part_seq = parts.owner.data();
@@ -136,11 +146,14 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              double scale, bool check_ranges, double k_scale, double v_scale,
-                             const std::optional<at::Tensor>& lse) {
+                             const std::optional<at::Tensor>& lse, std::optional<int64_t> sliding_window,
+                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           0, check_ranges, k_scale, v_scale);
+                                           0, k_scale, v_scale);
   check_query_start_loc_tensor(query_start_loc, out, key_cache);
   check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
+  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window, &query_start_loc);
   float* lse_data =
       check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;
@@ -148,6 +161,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                               k_scale, v_scale);
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
   a.lse = lse_data;
+  set_options(a, options);
 
   // A tile of query tokens times the GQA group: ~64 query rows, whose K/V reads (every item reads
   // its KV head's context once) then cost a 64th of a byte per multiply-add. A Llama-3-8B head of 128

@@ -140,11 +140,20 @@ void rescale_row(float* acc, int64_t d, float alpha) {
   for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
 }
 
-// Rows r see tokens at positions <= first_pos + r / group (causal); decode passes group = rows.
+// Rows r see tokens at positions in (limit(r) - window, limit(r)], limit(r) = first_pos + r / group
+// (causal; decode passes group = rows); window 0: no lower bound. softcap: the scores' cap, 0: none.
 struct RowSet {
-  int64_t rows, group, first_pos;
+  int64_t rows, group, first_pos, window;
+  float softcap;
   int64_t limit(int64_t r) const { return first_pos + r / group; }
+  int64_t lowest(int64_t r) const { return window > 0 ? limit(r) - window + 1 : 0; }
 };
+
+// Gemma 2's logit softcapping, s -> cap * tanh(s / cap), on scores already scaled. It runs before
+// the mask: tanh would turn a masked -inf into -cap.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
 
 // Scores by row (score [rows][chunk]): microkernels.h's dot products. The chunk loop (attend_d)
 // calls a layout's start once, then per chunk scores and mask per block, softmax, values per block.
@@ -157,8 +166,12 @@ struct RowScores {
   static void scores(const RowSet& rs, int64_t d, int64_t chunk, const KT* k, int64_t t0, int64_t nb,
                      int64_t pos0, Scratch& s) {
     block_scores(s.q, rs.rows, k, nb, d, s.score + t0, chunk);
-    for (int64_t r = 0; r < rs.rows; ++r) {  // causal mask (only prefill's diagonal has any)
+    for (int64_t r = 0; r < rs.rows; ++r) {
       float* sc = s.score + r * chunk + t0;
+      if (rs.softcap > 0.f) soft_cap(sc, nb, rs.softcap);
+      // The window's lower edge (only a window's first block has any), then the causal mask (only
+      // prefill's diagonal has any).
+      for (int64_t t = 0, n = imin(nb, rs.lowest(r) - pos0); t < n; ++t) sc[t] = -INFINITY;
       for (int64_t t = imax(0, rs.limit(r) - pos0 + 1); t < nb; ++t) sc[t] = -INFINITY;
     }
   }
@@ -274,10 +287,11 @@ void load_query(const AttentionArgs& a, int64_t token, int64_t head0, int64_t gr
   }
 }
 
+// out = acc * factor / l (and the fp8 value unit); 0 for a row that saw nothing.
 void store_normalised(const AttentionArgs& a, int64_t token, int64_t head, const float* acc,
-                      float l, float* tmp) {
+                      float l, float factor, float* tmp) {
   const int64_t d = a.head_size;
-  const float inv = l > 0.f ? cache_unit(a, a.v_scale) / l : 0.f;
+  const float inv = l > 0.f ? cache_unit(a, a.v_scale) * factor / l : 0.f;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) tmp[i] = acc[i] * inv;
   const int64_t elem = token * a.out_token_stride + head * a.out_head_stride;
@@ -290,6 +304,31 @@ void store_lse(const AttentionArgs& a, int64_t token, int64_t head, float m, flo
   if (a.lse != nullptr) a.lse[token * a.num_heads + head] = l > 0.f ? m + std::log(l) : -INFINITY;
 }
 
+// A row's softmax state once its keys are done: max m, sum l of exp(score - m), and the factor its
+// accumulator (sum of exp(score - m) * v) still takes.
+struct RowTotal {
+  float m, l, acc_factor;
+};
+
+// Folds the head's sink into a row's total: one more logit in the denominator that brings no value
+// (gpt-oss's s_aux). The max moves to cover it, as HF's eager attention subtracts the max over the
+// scores and the sink. Once per row, after every key (partitions merged first), so it counts once.
+RowTotal row_total(const AttentionArgs& a, int64_t head, float m, float l) {
+  if (a.sinks == nullptr) return {m, l, 1.f};
+  const float sink = a.sinks[head], m_new = m > sink ? m : sink;
+  if (m_new == -INFINITY) return {m, l, 1.f};  // no key and a sink of -inf: nothing to fold
+  const float alpha = std::exp(m - m_new);    // 0 where the row saw no key (m = -inf)
+  return {m_new, l * alpha + std::exp(sink - m_new), alpha};
+}
+
+// Writes a finished row's output and log-sum-exp, its sink folded in.
+void finish_row(const AttentionArgs& a, int64_t token, int64_t head, const float* acc, float m, float l,
+                float* tmp) {
+  const RowTotal t = row_total(a, head, m, l);
+  store_normalised(a, token, head, acc, t.l, t.acc_factor, tmp);
+  store_lse(a, token, head, t.m, t.l);
+}
+
 // Tokens [begin, end) of sequence seq: partition `part`'s share.
 struct PartRange {
   int64_t seq, begin, end;
@@ -297,7 +336,7 @@ struct PartRange {
 
 PartRange part_range(const AttentionArgs& a, const DecodePlan& p, int64_t part) {
   const int64_t seq = p.part_seq[part];
-  const int64_t begin = (part - p.part_offset[seq]) * p.partition_size;
+  const int64_t begin = decode_begin(a, seq) + (part - p.part_offset[seq]) * p.partition_size;
   return {seq, begin, imin(a.seq_lens[seq], begin + p.partition_size)};
 }
 
@@ -331,12 +370,11 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
                                                       last_head ? 0 : kv_head + 1)
                                          : ItemTiles{};
   TilePrefetcher pf(item_tiles(a, r, kv_head), next, run.after_previous);
-  attend(kv, RowSet{group, group, seq_len - 1}, begin, end, s, pf);
+  attend(kv, RowSet{group, group, seq_len - 1, a.window, a.softcap}, begin, end, s, pf);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = kv_head * group + g;
     if (num_parts == 1) {
-      store_normalised(a, seq, head, s.acc + g * d, s.l[g], s.kbuf);
-      store_lse(a, seq, head, s.m[g], s.l[g]);
+      finish_row(a, seq, head, s.acc + g * d, s.m[g], s.l[g], s.kbuf);
       continue;
     }
     std::memcpy(p.tmp_out + (part * a.num_heads + head) * d, s.acc + g * d, sizeof(float) * d);
@@ -365,8 +403,7 @@ void decode_reduce(const AttentionArgs& a, const DecodePlan& p, int64_t seq, int
 #pragma omp simd
     for (int64_t j = 0; j < d; ++j) acc[j] += w * part_out[j];
   }
-  store_normalised(a, seq, head, acc, total, out);
-  store_lse(a, seq, head, global_max, total);
+  finish_row(a, seq, head, acc, global_max, total, out);
 }
 
 void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, int64_t kv_head,
@@ -379,15 +416,15 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   const int64_t ntok = imin(p.tile_tokens, q_start + q_len - tok0);
   Scratch s = carve(a, ntok * group, scratch);
   for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
-  const RowSet rows{ntok * group, group, context + (tok0 - q_start)};
+  const RowSet rows{ntok * group, group, context + (tok0 - q_start), a.window, a.softcap};
   const KVSource kv(a, seq, kv_head);
-  const int64_t end = rows.limit(rows.rows - 1) + 1;
-  TilePrefetcher pf(item_tiles(a, PartRange{seq, 0, end}, kv_head), ItemTiles{}, false);
-  attend(kv, rows, 0, end, s, pf);
+  // From the block of the first key the tile's first query's window reaches, to its last query.
+  const int64_t begin = window_begin(a, rows.first_pos), end = rows.limit(rows.rows - 1) + 1;
+  TilePrefetcher pf(item_tiles(a, PartRange{seq, begin, end}, kv_head), ItemTiles{}, false);
+  attend(kv, rows, begin, end, s, pf);
   for (int64_t r = 0; r < rows.rows; ++r) {
     const int64_t token = tok0 + r / group, head = kv_head * group + r % group;
-    store_normalised(a, token, head, s.acc + r * d, s.l[r], s.kbuf);
-    store_lse(a, token, head, s.m[r], s.l[r]);
+    finish_row(a, token, head, s.acc + r * d, s.m[r], s.l[r], s.kbuf);
   }
 }
 

@@ -93,13 +93,17 @@ void wide_scores(const float* qT, int64_t rp, const float* k, int64_t n, int64_t
   }
 }
 
-// Causal mask for tokens [pos0, pos0 + n): row r sees positions <= first_pos + r / group, so the
-// token at pos hides from rows below (pos - first_pos) * group.
-inline void wide_mask(int64_t rows, int64_t group, int64_t first_pos, int64_t pos0, int64_t n, float* sT,
-                      int64_t rp) {
-  for (int64_t t = imax(0, first_pos + 1 - pos0); t < n; ++t) {
-    const int64_t hidden = imin(rows, (pos0 + t - first_pos) * group);
-    for (int64_t r = 0; r < hidden; ++r) sT[t * rp + r] = -INFINITY;
+// Causal and window mask for tokens [pos0, pos0 + n): row r sees positions in (limit(r) - window,
+// limit(r)] with limit(r) = first_pos + r / group, so the token at pos hides from the rows below
+// (pos - first_pos) * group (their queries come before it) and, with a window, from those from
+// (pos + window - first_pos) * group on (it has left their window).
+inline void wide_mask(const RowSet& rs, int64_t pos0, int64_t n, float* sT, int64_t rp) {
+  auto rows_before = [&](int64_t offset) { return imin(rs.rows, imax(0, offset * rs.group)); };
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = pos0 + t, before = rows_before(pos - rs.first_pos);
+    const int64_t past = rs.window > 0 ? imax(before, rows_before(pos + rs.window - rs.first_pos)) : rs.rows;
+    for (int64_t r = 0; r < before; ++r) sT[t * rp + r] = -INFINITY;
+    for (int64_t r = past; r < rs.rows; ++r) sT[t * rp + r] = -INFINITY;
   }
 }
 
@@ -143,7 +147,8 @@ struct WideScores {
                      int64_t pos0, Scratch& s) {
     const int64_t rp = round_up_rows(rs.rows);
     wide_scores(s.qT, rp, k, nb, d, s.score + t0 * rp);
-    wide_mask(rs.rows, rs.group, rs.first_pos, pos0, nb, s.score + t0 * rp, rp);
+    if (rs.softcap > 0.f) soft_cap(s.score + t0 * rp, nb * rp, rs.softcap);
+    wide_mask(rs, pos0, nb, s.score + t0 * rp, rp);
   }
 
   static void softmax(const RowSet& rs, int64_t d, int64_t, int64_t n, Scratch& s) {

@@ -4,7 +4,7 @@
 // Each kernel call is recorded under its op's name, so torch.profiler still shows where the time goes.
 //
 //   h = rms_norm(x); q|k|v = h @ Wqkv; q, k = rotary(q, k); cache <- k, v (slot_mapping);
-//   a = attention(q) over the paged cache; x = x + a @ Wo;
+//   a = attention(q) over the paged cache (its sliding window, softcap, sinks); x = x + a @ Wo;
 //   h = rms_norm(x); g|u = h @ Wgate_up; x = x + (silu(g) * u) @ Wdown
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -48,7 +48,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& hidden, at::TensorList weights,
                                const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               int64_t max_query_len, bool check_ranges) {
+                               int64_t max_query_len, bool check_ranges, std::optional<int64_t> sliding_window,
+                               std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(weights.size() == kNumWeights, "weights must be [input_norm, qkv, o, post_norm, gate_up, down]"
                     " (", int(kNumWeights), " tensors), got ", weights.size());
   TORCH_CHECK_VALUE(biases.size() == kNumBiases, "biases must be [qkv, o, gate_up, down] (", int(kNumBiases),
@@ -82,11 +83,11 @@ at::Tensor llama_decoder_layer(const at::Tensor& hidden, at::TensorList weights,
   if (max_query_len == 1) {  // one token per sequence: the decode kernel, which splits long contexts
     RECORD_FUNCTION("kvpage::paged_attention", std::vector<c10::IValue>());
     paged_attention(attn, q_rot, key_cache, value_cache, block_tables, seq_lens, scale, 0, check_ranges, 1.0, 1.0,
-                    std::nullopt);
+                    std::nullopt, sliding_window, softcap, sinks);
   } else {
     RECORD_FUNCTION("kvpage::paged_prefill_attention", std::vector<c10::IValue>());
     paged_prefill_attention(attn, q_rot, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                            check_ranges, 1.0, 1.0, std::nullopt);
+                            check_ranges, 1.0, 1.0, std::nullopt, sliding_window, softcap, sinks);
   }
   const int64_t hidden_size = hidden.size(1);
   const at::Tensor x = hidden + linear(attn.view({tokens, -1}), weights[kO], hidden_size, bias_at(biases, kOBias));

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "../attention_window.h"
+
 namespace kvpage {
 namespace cpu {
 
@@ -30,9 +32,22 @@ struct AttentionArgs {
   int64_t num_seqs;
   float scale;
   float* lse;  // [rows, num_heads] contiguous: each row's log-sum-exp of scale * q.k, or null
+  int64_t window;      // sliding window: a query at p sees keys in (p - window, p]; 0: none
+  float softcap;       // scores -> softcap * tanh(score / softcap); 0: none
+  const float* sinks;  // [num_heads]: an extra logit per head in the softmax denominator, or null
 };
 
-// Decode work is (partition, kv head); a sequence of seq_len tokens owns ceil(seq_len / P)
+// The first token an item whose earliest query sits at first_pos reads: the start of the block
+// holding the first key its window reaches (attention_window.h).
+inline int64_t window_begin(const AttentionArgs& a, int64_t first_pos) {
+  return first_window_block(first_pos, a.window, a.block_size) * a.block_size;
+}
+
+// Where decode sequence seq's reading starts (its query sits at seq_len - 1); its partitions
+// (DecodePlan) tile [decode_begin, seq_len).
+inline int64_t decode_begin(const AttentionArgs& a, int64_t seq) { return window_begin(a, a.seq_lens[seq] - 1); }
+
+// Decode work is (partition, kv head); a sequence owns ceil((seq_len - decode_begin) / P)
 // consecutive partitions starting at part_offset[seq]. Multi-partition sequences leave
 // unnormalised partial outputs in tmp_* for decode_reduce.
 struct DecodePlan {

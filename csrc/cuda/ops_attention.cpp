@@ -86,6 +86,12 @@ CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const
   return cache;
 }
 
+// Until the CUDA kernels take them (interim: the CPU kernels landed first).
+void refuse_options(const AttentionOptions& o) {
+  TORCH_CHECK_NOT_IMPLEMENTED(o.window == 0 && o.softcap == 0.f && o.sinks == nullptr,
+                              "sliding_window, softcap and sinks are not yet supported by the CUDA kernels");
+}
+
 AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const CacheShape& cache, double scale,
@@ -117,10 +123,13 @@ AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, double scale, int64_t partition_size,
-                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse) {
+                     bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse,
+                     std::optional<int64_t> sliding_window, std::optional<double> softcap,
+                     const std::optional<at::Tensor>& sinks) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
+  refuse_options(check_attention_options(sliding_window, softcap, sinks, query, out));
   float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
@@ -152,7 +161,8 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              double scale, bool check_ranges, double k_scale, double v_scale,
-                             const std::optional<at::Tensor>& lse) {
+                             const std::optional<at::Tensor>& lse, std::optional<int64_t> sliding_window,
+                             std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            0, check_ranges, k_scale, v_scale);
   check_query_start_loc_tensor(query_start_loc, out, key_cache);
@@ -160,6 +170,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                     "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
                     " entries, got ", query_start_loc.size(0));
   if (check_ranges) check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  refuse_options(check_attention_options(sliding_window, softcap, sinks, query, out));
   float* lse_data =
       check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;

@@ -33,15 +33,16 @@ def _rope(positions: torch.Tensor):
     return emb.cos(), emb.sin()
 
 
-def _reference(p: dict, x, cos, sin, key_cache, value_cache, slot_mapping, block_tables, qsl, seq_lens):
-    """The layer from reference.py's pieces, on copies of the caches."""
+def _reference(p: dict, x, cos, sin, key_cache, value_cache, slot_mapping, block_tables, qsl, seq_lens, **attention):
+    """The layer from reference.py's pieces, on copies of the caches; attention: the attention options."""
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     q_w, kv_w, tokens = HEADS * D, KV_HEADS * D, x.shape[0]
     qkv = reference.linear(reference.rms_norm(x, p["in_norm"], EPS[0]), p["qkv"], p["biases"][0])
     q, k, v = qkv[:, :q_w].view(tokens, HEADS, D), qkv[:, q_w:q_w + kv_w].view(tokens, KV_HEADS, D), qkv[:, q_w + kv_w:]
     q, k = reference.rotary_embedding(q, k, cos, sin)
     reference.reshape_and_cache(k, v.reshape(tokens, KV_HEADS, D), key_cache, value_cache, slot_mapping)
-    attn = reference.paged_prefill_attention(q, key_cache, value_cache, block_tables, qsl, seq_lens, 1 / math.sqrt(D))
+    attn = reference.paged_prefill_attention(q, key_cache, value_cache, block_tables, qsl, seq_lens, 1 / math.sqrt(D),
+                                             **attention)
     x = x + reference.linear(attn.reshape(tokens, -1), p["o"], p["biases"][1])
     gate_up = reference.linear(reference.rms_norm(x, p["post_norm"], EPS[1]), p["gate_up"], p["biases"][2])
     act = reference.silu_and_mul(gate_up[:, :INTERMEDIATE], gate_up[:, INTERMEDIATE:])
@@ -49,7 +50,7 @@ def _reference(p: dict, x, cos, sin, key_cache, value_cache, slot_mapping, block
 
 
 def _run(p: dict, x, cos, sin, key_cache, value_cache, slot_mapping, block_tables, qsl, seq_lens, max_query_len,
-         **overrides):
+         attention=None, **overrides):
     args = {"weights": [p["in_norm"], pack_linear_weight(p["qkv"]), pack_linear_weight(p["o"]), p["post_norm"],
                         pack_linear_weight(p["gate_up"]), pack_linear_weight(p["down"])],
             "biases": p["biases"], "widths": [HEADS * D, KV_HEADS * D, KV_HEADS * D, D, INTERMEDIATE],
@@ -57,7 +58,7 @@ def _run(p: dict, x, cos, sin, key_cache, value_cache, slot_mapping, block_table
     args.update(overrides)
     return library_ops.llama_decoder_layer(x, args["weights"], args["biases"], args["widths"], args["epsilons"],
                                            1 / math.sqrt(D), cos, sin, key_cache, value_cache, slot_mapping,
-                                           block_tables, seq_lens, qsl, max_query_len, True)
+                                           block_tables, seq_lens, qsl, max_query_len, True, **(attention or {}))
 
 
 def _step(query_lens, context_lens, seed=1):
@@ -90,6 +91,22 @@ def test_layer_matches_reference(cpu_isa, bias, query_lens, context_lens):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kc, want_k, rtol=1e-5, atol=1e-5)  # the new K/V landed in their slots
     torch.testing.assert_close(vc, want_v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", [dict(sliding_window=5), dict(softcap=0.5),
+                                       dict(sinks=torch.linspace(-2, 2, HEADS)),
+                                       dict(sliding_window=9, softcap=0.7, sinks=torch.linspace(2, -1, HEADS))],
+                         ids=["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 30]), ([7, 1, 12], [0, 9, 3])])
+def test_layer_takes_the_attention_options(cpu_isa, query_lens, context_lens, attention):
+    """Mistral's window (and Gemma 2's softcap, gpt-oss's sinks) reach the layer's attention."""
+    p = _layer(True)
+    x, cos, sin, kc, vc, slots, tables, qsl, seq_lens = _step(query_lens, context_lens)
+    want = _reference(p, x, cos, sin, kc, vc, slots, tables, qsl, seq_lens, **attention)[0]
+    plain = _reference(p, x, cos, sin, kc, vc, slots, tables, qsl, seq_lens)[0]
+    assert not torch.allclose(want, plain, rtol=1e-4, atol=1e-4), "the options must change this step"
+    got = _run(p, x, cos, sin, kc, vc, slots, tables, qsl, seq_lens, max(query_lens), attention)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("override,error,words", [

@@ -93,3 +93,38 @@ def default_scale(scale, head_size):
     if not (math.isfinite(scale) and abs(scale) <= _FLOAT32_RANGE[1]):
         raise ValueError(f"scale must be finite in float32, got {scale}")
     return scale
+
+
+def sliding_window(value):
+    """A sliding window: None, or a positive int (a query at position p sees keys in (p - W, p])."""
+    if value is None:
+        return None
+    require_positive_int(value, "sliding_window")
+    if value > torch.iinfo(torch.int32).max:
+        raise ValueError(f"sliding_window must fit in int32, got {value}")
+    return value
+
+
+def softcap(value):
+    """A logit softcap: None, or a positive number finite in float32."""
+    if value is None:
+        return None
+    value = _as_float(value, "softcap")
+    if not (0.0 < value <= _FLOAT32_RANGE[1]):
+        raise ValueError(f"softcap must be a positive number finite in float32, got {value}")
+    return value
+
+
+def sinks(value, query):
+    """Attention sinks: None, or a float32 [num_heads] tensor on query's device."""
+    if value is None:
+        return None
+    require_tensor(value, "sinks")
+    if value.dtype != torch.float32:
+        raise TypeError(f"sinks must have dtype float32, got {value.dtype}")
+    num_heads = query.shape[1] if query.dim() == 3 else None
+    if value.dim() != 1 or (num_heads is not None and value.shape[0] != num_heads):
+        raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got shape {tuple(value.shape)}")
+    if value.device != query.device:
+        raise ValueError(f"sinks must be on query's device {query.device}, got {value.device}")
+    return value

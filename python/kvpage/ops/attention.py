@@ -27,8 +27,24 @@ def _result(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
+def _options(query, sliding_window, softcap, sinks):
+    """The attention options, checked, as the ops' trailing arguments."""
+    return (_checks.sliding_window(sliding_window), _checks.softcap(softcap), _checks.sinks(sinks, query))
+
+
+_OPTIONS_DOC = """sliding_window (a positive int W): a query at position p attends to keys in (p - W, p]; the
+    kernels start at the block holding the first key the earliest query's window reaches, so the
+    block-table entries before it are never read (they may hold any id, e.g. NULL_BLOCK; range
+    checks skip them too). softcap (a positive float c): scores become c * tanh(s / c) after the
+    scale (Gemma 2). sinks (float32 [num_heads] on query's device): one extra logit per query head
+    in each softmax denominator, bringing no value (gpt-oss's s_aux). With return_lse the lse
+    includes the sink term, so to merge partial results over disjoint keys
+    (merge_attention_states) pass sinks to exactly one of the partial calls."""
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None, *,
-                    partition_size=None, k_scale=1.0, v_scale=1.0, return_lse=False):
+                    partition_size=None, k_scale=1.0, v_scale=1.0, return_lse=False, sliding_window=None,
+                    softcap=None, sinks=None):
     """Decode attention over the paged cache.
 
     query [num_seqs, num_heads, head_size]; block_tables int32 [num_seqs, max_blocks_per_seq];
@@ -40,8 +56,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 
     return_lse=True returns (out, lse): lse float32 [num_seqs, num_heads], the natural log of each
     row's softmax denominator, sum over its context of exp(scale * q.k) (keys dequantised for fp8),
-    which merge_attention_states needs to combine results over disjoint parts of a context."""
+    which merge_attention_states needs to combine results over disjoint parts of a context.
+
+    {options}"""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
+    options = _options(query, sliding_window, softcap, sinks)
     lse = _lse_for(query, return_lse)
     _checks.require_tensor(block_tables, "block_tables")
     _checks.require_tensor(seq_lens, "seq_lens")
@@ -52,20 +71,24 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         raise ValueError(f"partition_size must be a positive int, got {partition_size!r}")
     ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                         partition_size, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
-                        _checks.kv_scale(v_scale, "v_scale"), lse)
+                        _checks.kv_scale(v_scale, "v_scale"), lse, *options)
     return _result(out, lse, return_lse)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None, out=None, *, k_scale=1.0, v_scale=1.0, return_lse=False):
+                            scale=None, out=None, *, k_scale=1.0, v_scale=1.0, return_lse=False,
+                            sliding_window=None, softcap=None, sinks=None):
     """Varlen causal attention over the paged cache (prefill, chunked prefill, prefix-cache hits).
 
     query [total_query_tokens, num_heads, head_size]; query_start_loc int32 [num_seqs + 1];
     seq_lens int32 [num_seqs] = cached context + this step's tokens, whose K/V are already in the
     cache. Query token i of sequence s sits at position seq_lens[s] - q_len[s] + i and attends to
     cache positions <= its own. fp8 caches and return_lse as in paged_attention (lse float32
-    [total_query_tokens, num_heads], over each query token's causal context)."""
+    [total_query_tokens, num_heads], over each query token's causal context).
+
+    {options}"""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
+    options = _options(query, sliding_window, softcap, sinks)
     lse = _lse_for(query, return_lse)
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
@@ -73,5 +96,10 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
     scale = _checks.default_scale(scale, query.shape[-1] if query.dim() else 1)
     ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
                                 seq_lens, scale, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
-                                _checks.kv_scale(v_scale, "v_scale"), lse)
+                                _checks.kv_scale(v_scale, "v_scale"), lse, *options)
     return _result(out, lse, return_lse)
+
+
+for _op in (paged_attention, paged_prefill_attention):
+    if _op.__doc__:  # None under python -OO
+        _op.__doc__ = _op.__doc__.format(options=_OPTIONS_DOC)

@@ -64,28 +64,47 @@ def register_hf_fp8_kv_attention(name="kvpage_reference_fp8_kv_sdpa"):
     return register_hf_rounded_kv_attention(torch.float8_e4m3fn, name)
 
 
-def gather_kv(cache, block_table, seq_len, scale=1.0):
-    """[seq_len, num_kv_heads, head_size] of one sequence from a [num_blocks, H, bs, D] cache, in
-    float32 for an fp8 cache (dequantised with scale)."""
+def gather_kv(cache, block_table, seq_len, scale=1.0, first_block=0):
+    """[seq_len - first_block * block_size, num_kv_heads, head_size] of one sequence's positions from
+    first_block's on, from a [num_blocks, H, bs, D] cache, in float32 for an fp8 cache (dequantised
+    with scale). The table entries before first_block are not read."""
     block_size = cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    tiles = cache[block_table[:num_blocks].long()]  # [nb, H, bs, D]
+    tiles = cache[block_table[first_block:num_blocks].long()]  # [nb, H, bs, D]
     if cache.dtype == torch.float8_e4m3fn:
         tiles = dequantize(tiles, scale)
-    return tiles.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+    return tiles.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[: seq_len - first_block * block_size]
 
 
-def attention(query, key, value, scale, query_positions, return_lse=False):
-    """query [q, Hq, D]; key/value [k, Hkv, D]; query i sees keys at positions <= query_positions[i].
-    return_lse: also the natural log of each row's softmax denominator, float32 [q, Hq]."""
+def first_visible_block(first_query_position, block_size, sliding_window=None):
+    """The block holding the first key a sliding window lets the earliest query see (0 without one)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_position - sliding_window + 1) // block_size
+
+
+def attention(query, key, value, scale, query_positions, return_lse=False, *, key_start=0, sliding_window=None,
+              softcap=None, sinks=None):
+    """query [q, Hq, D]; key/value [k, Hkv, D] at positions key_start, key_start + 1, ...; query i sees
+    keys at positions <= query_positions[i] and, with a sliding window W, > query_positions[i] - W.
+    softcap c: scores -> c * tanh(scores / c) after the scale; sinks (float32 [Hq]): one more logit per
+    head in the softmax denominator with no value (HF's gpt-oss eager_attention_forward).
+    return_lse: also the natural log of each row's softmax denominator (sink included), float32 [q, Hq]."""
     group = query.shape[1] // key.shape[1]
     q = query.float().transpose(0, 1)  # [Hq, q, D]
     k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)
     v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q, k]
-    key_positions = torch.arange(key.shape[0], device=query.device)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_positions = torch.arange(key_start, key_start + key.shape[0], device=query.device)
     visible = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # a column of logits that softmax counts and that multiplies no value
+        scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+        v = torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], dim=1)
     out = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)
     return (out, torch.logsumexp(scores, dim=-1).transpose(0, 1)) if return_lse else out
 
@@ -94,35 +113,43 @@ def _with_lse(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
+def _paged_rows(query, key_cache, value_cache, block_table, seq_len, scale, k_scale, v_scale, sliding_window,
+                 **options):
+    """(out, lse) of the query tokens [q, Hq, D] that end one sequence of seq_len tokens; only its
+    table entries from the earliest query's window on are read (as the kernels do)."""
+    positions = torch.arange(seq_len - query.shape[0], seq_len, device=query.device)
+    first_block = first_visible_block(seq_len - query.shape[0], key_cache.shape[2], sliding_window)
+    key = gather_kv(key_cache, block_table, seq_len, k_scale, first_block)
+    value = gather_kv(value_cache, block_table, seq_len, v_scale, first_block)
+    return attention(query, key, value, scale, positions, return_lse=True, key_start=first_block * key_cache.shape[2],
+                     sliding_window=sliding_window, **options)
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, k_scale=1.0,
-                    v_scale=1.0, return_lse=False):
+                    v_scale=1.0, return_lse=False, *, sliding_window=None, softcap=None, sinks=None):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     for s, seq_len in enumerate(seq_lens.tolist()):
-        key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
-        value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
-        positions = torch.tensor([seq_len - 1], device=query.device)
-        o, row_lse = attention(query[s : s + 1], key, value, scale, positions, return_lse=True)
+        o, row_lse = _paged_rows(query[s : s + 1], key_cache, value_cache, block_tables[s], seq_len, scale, k_scale,
+                                 v_scale, sliding_window, softcap=softcap, sinks=sinks)
         out[s], lse[s] = o[0], row_lse[0]
     return _with_lse(out, lse, return_lse)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                            scale=None, k_scale=1.0, v_scale=1.0, return_lse=False):
+                            scale=None, k_scale=1.0, v_scale=1.0, return_lse=False, *, sliding_window=None,
+                            softcap=None, sinks=None):
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
-        q = query[starts[s] : starts[s + 1]]
-        if q.shape[0] == 0:
+        rows = slice(starts[s], starts[s + 1])
+        if rows.start == rows.stop:
             continue
-        key = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
-        value = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
-        positions = torch.arange(seq_len - q.shape[0], seq_len, device=query.device)
-        out[starts[s] : starts[s + 1]], lse[starts[s] : starts[s + 1]] = attention(q, key, value, scale, positions,
-                                                                                 return_lse=True)
+        out[rows], lse[rows] = _paged_rows(query[rows], key_cache, value_cache, block_tables[s], seq_len, scale,
+                                           k_scale, v_scale, sliding_window, softcap=softcap, sinks=sinks)
     return _with_lse(out, lse, return_lse)
 
 
