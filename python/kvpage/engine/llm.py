@@ -282,7 +282,9 @@ class LLM:
                 self.llm_engine.add_request(ids[-1], item.prompt, item.params, prompt_token_ids=item.token_ids,
                                             stream=False, cache_salt=item.cache_salt)
             except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {index}: {e}") from e
+                # The scheduler's messages lead with the request id, which is internal: the index instead.
+                message = str(e).removeprefix(f"request {ids[-1]!r}: ")
+                raise type(e)(f"prompt {index}: {message}") from e
 
     def stats(self) -> dict:
         """The engine's statistics, plus tensor_parallel_size and kv_cache_bytes_per_rank: the KV-cache bytes

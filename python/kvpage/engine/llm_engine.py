@@ -18,7 +18,7 @@ from kvpage.core.interrupts import deferred_interrupts
 from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
-from .logits_processors import bad_words_token_ids
+from .logits_processors import bad_words_token_ids, check_some_token_sampleable
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
 from .sampling_params import SamplingParams, check_encodable
@@ -114,7 +114,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()  # fields may have been assigned since construction
+        params = params.clone()  # checked again (fields may have been assigned), and the caller's may change now
         stream = stream and not params.use_beam_search  # the best beams are known only at the end
         text, token_ids = self.request_prompt(prompt, prompt_token_ids, params)
         eos, *more_eos = self.config.eos_token_ids or (None,)
@@ -124,10 +124,13 @@ class LLMEngine:
         if params.min_tokens:
             self._check_min_tokens_reachable(params, held_back)
         self._check_logprobs(params)
+        # n (or beam_width) sample records are built next: what the scheduler would refuse is refused first.
+        self.scheduler._check_fits(request_id, len(token_ids), params.max_tokens, max(params.n, params.beam_width))
         extra_keys = cache_salt_keys(cache_salt)
         # Everything that can fail is done before the scheduler hears of the request (admission is
         # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
         state = self._new_state(text, token_ids, params, stream, held_back)
+        check_some_token_sampleable(params, state.bad_words_token_ids, getattr(self.runner, "vocab_size", None))
         if params.use_beam_search:
             state.beam = new_beam_search(params, len(token_ids), self.config.max_model_len, self.config.eos_token_ids)
         with deferred_interrupts():

@@ -51,6 +51,34 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torc
     return logits
 
 
+# A bias at or below this leaves a float32 logit nothing but the bias (float32's spacing there is ~1e31,
+# far beyond any logit): the token is banned in all but name.
+BANNING_BIAS = -1e38
+
+
+def check_some_token_sampleable(params, bad_words_token_ids: tuple[tuple[int, ...], ...],
+                                vocab_size: int | None) -> None:
+    """ValueError, at add time, where the request's own options mask every token it may sample: each of
+    allowed_token_ids (or, without them, the whole vocabulary) banned by a one-token bad word or a bias
+    at or below BANNING_BIAS. The sampler would otherwise choose among masked logits, i.e. emit a token
+    the request forbade."""
+    masked = {word[0] for word in bad_words_token_ids if len(word) == 1}
+    masked.update(t for t, b in (params.logit_bias or {}).items() if b <= BANNING_BIAS)
+    if not masked:
+        return
+    if params.allowed_token_ids is not None:
+        if all(t in masked for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids: every one of them ({_few(params.allowed_token_ids)}) is banned by"
+                             f" bad_words or a logit_bias <= {BANNING_BIAS:g}; no token is left to sample")
+    elif vocab_size is not None and sum(t < vocab_size for t in masked) >= vocab_size:
+        raise ValueError(f"bad_words and logit_bias <= {BANNING_BIAS:g} ban the whole vocabulary ({vocab_size}"
+                         f" tokens); no token is left to sample")
+
+
+def _few(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:5])) + (f", ... ({len(ids)} ids)" if len(ids) > 5 else "")
+
+
 def apply_token_bias(logits: torch.Tensor, allowed: list[int] | None, bias: dict[int, float] | None) -> None:
     """One row [vocab], in place: -inf outside `allowed` (where given), then `bias` added to its tokens."""
     vocab = logits.shape[0]

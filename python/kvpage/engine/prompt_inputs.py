@@ -68,8 +68,12 @@ def chat_template_prompt(tokenizer, conversation: list[dict], chat_template: str
                          add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """A conversation as the chat template writes it, and its token ids: the template wrote the special
     tokens already, so encoding does not add them again."""
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+    except TemplateError as e:  # a broken template, or its raise_exception (roles out of order, ...)
+        raise ValueError(f"chat_template: {type(e).__name__}: {e}") from None
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -79,7 +83,8 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 def normalise_conversations(messages) -> list[list[dict]]:
     """One conversation (a list of {"role", "content"} dicts) or a list of them, checked: ValueError
     naming the message for a missing or non-text content, an unknown role or text that is not UTF-8,
-    instead of whatever the chat template's renderer would raise."""
+    instead of whatever the chat template's renderer would raise. As OpenAI, an assistant message may
+    come without content (None or no key): the conversations returned (copies) give it "" instead."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or of such lists)")
     conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -88,7 +93,13 @@ def normalise_conversations(messages) -> list[list[dict]]:
             raise ValueError(f"messages[{c}] must be a non-empty list of {{'role', 'content'}} dicts")
         for m, message in enumerate(conversation):
             _check_message(message, f"messages[{c}][{m}]" if len(conversations) > 1 else f"messages[{m}]")
-    return conversations
+    return [[_with_content(message) for message in conversation] for conversation in conversations]
+
+
+def _with_content(message: dict) -> dict:
+    if message.get("content") is None:  # an assistant's (_check_message refused any other)
+        return {**message, "content": ""}
+    return message
 
 
 def _check_message(message, where: str) -> None:
@@ -97,6 +108,8 @@ def _check_message(message, where: str) -> None:
     role, content = message.get("role"), message.get("content")
     if role not in _ROLES:
         raise ValueError(f"{where}: role must be one of {list(_ROLES)}, got {role!r}")
+    if role == "assistant" and content is None:
+        return
     if not isinstance(content, str):
         raise ValueError(f"{where}: content must be a string, got "
                          + ("nothing" if "content" not in message else repr(type(content).__name__)))

@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -159,6 +160,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.use_beam_search:
             self._check_beam_options()
+
+    def clone(self) -> SamplingParams:
+        """A checked copy with containers of its own (validate() rebuilds every list and dict), which
+        add_request keeps: the caller may change or reuse its object, from another thread too, without
+        reaching a request in flight."""
+        copied = copy.copy(self)
+        copied.validate()
+        return copied
 
     def _check_ints(self) -> None:
         for name, low in (("n", 1), ("max_tokens", 1), ("beam_width", 1)):
