@@ -5,6 +5,11 @@ real one would (swap out, swap in, copy-on-write copies, then write this step's 
 slot mapping), then reads every sequence's whole context back through its block table and samples
 from a hash of what it read. So a wrong block table, slot mapping, copy or swap changes the output
 tokens, and the expected output of any request is a pure function of its prompt (`expected_outputs`).
+
+A hybrid layout (sliding_windows with a window per KV-cache group) writes through every group's slot
+mapping and reads, in each window group, exactly the positions the step's queries can see: a block
+freed too early (NULL_BLOCK, or reused by another sequence) fails the check against the scheduler's
+tokens. The sample comes from a full group's read (the whole context).
 """
 from __future__ import annotations
 
@@ -12,10 +17,13 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
-from kvpage.core import BlockManager, Scheduler, SchedulerOutput, check_block_manager
+from kvpage.core import NULL_BLOCK, BlockManager, Scheduler, SchedulerOutput, check_block_manager, kv_cache_layout
 
 VOCAB = 64
 EOS = 0
+# KV-cache layouts the scheduler tests run on: one full group (None: the default), hybrid ones with a
+# full group and one or two windows, and one with windows only (the sample then comes from the tokens).
+LAYOUTS = (None, kv_cache_layout([None, 4, 4, None]), kv_cache_layout([None, 3, 7]), kv_cache_layout([5, 5]))
 
 
 def sample(context: list[int], index: int = 0) -> int:
@@ -38,8 +46,9 @@ def expected_outputs(prompt: list[int], max_tokens: int, n: int = 1, eos: int | 
 
 
 class FakeRunner:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, sliding_windows: tuple = (None,)) -> None:
         self.block_size = block_size
+        self.sliding_windows = tuple(sliding_windows)
         self.device: dict[int, list] = {}
         self.host: dict[int, list] = {}
 
@@ -57,14 +66,26 @@ class FakeRunner:
             self.device[dst] = contents
         bs = self.block_size
         for s in out.scheduled:  # writes first: the real forward pass writes K/V, then attends
-            assert len(s.slot_mapping) == len(s.token_ids) == s.num_scheduled_tokens
-            for slot, token in zip(s.slot_mapping, s.token_ids):
-                self._block(self.device, slot // bs)[slot % bs] = token
+            assert len(s.block_tables) == len(s.slot_mappings) == len(self.sliding_windows)
+            assert s.block_tables[0] == s.block_table and s.slot_mappings[0] == s.slot_mapping
+            for slots in s.slot_mappings:
+                assert len(slots) == len(s.token_ids) == s.num_scheduled_tokens
+                for slot, token in zip(slots, s.token_ids):
+                    if slot >= 0:
+                        self._block(self.device, slot // bs)[slot % bs] = token
         sampled = {}
         for s in out.scheduled:
-            context = [self.device[s.block_table[p // bs]][p % bs] for p in range(s.context_len)]
-            if expected_tokens is not None:
-                assert context == expected_tokens(s.seq_id)[:s.context_len], f"seq {s.seq_id}: cache disagrees"
+            context = None
+            for table, window in zip(s.block_tables, self.sliding_windows):
+                first = 0 if window is None else max(0, s.start - window + 1)  # the step's first query's window
+                assert NULL_BLOCK not in table[first // bs:], f"seq {s.seq_id}: a block its window reads is NULL"
+                read = [self.device[table[p // bs]][p % bs] for p in range(first, s.context_len)]
+                if expected_tokens is not None:
+                    assert read == expected_tokens(s.seq_id)[first:s.context_len], f"seq {s.seq_id}: cache disagrees"
+                if window is None:
+                    context = read
+            if context is None:  # every group has a window: the whole context is in no cache
+                context = list(expected_tokens(s.seq_id)[:s.context_len])
             if s.do_sample:
                 samples = [sample(context, j) for j in range(s.num_samples)]
                 sampled[s.seq_id] = samples[0] if s.num_samples == 1 else samples
@@ -132,7 +153,7 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 100_00
           allow_rejects: bool = False, runner: FakeRunner | None = None) -> RunResult:
     """Feed arrivals at their steps, run until everyone finishes, checking invariants throughout.
     A step whose runner raises StepFailed is discarded (Scheduler.discard_step) and the run goes on."""
-    runner = runner or FakeRunner(scheduler.bm.block_size)
+    runner = runner or FakeRunner(scheduler.bm.block_size, scheduler.bm.sliding_windows)
     pending = sorted(arrivals, key=lambda a: a.step)
     aborts = {a.abort_at: [] for a in arrivals if a.abort_at is not None}
     for a in arrivals:

@@ -1,17 +1,21 @@
 """Random allocate / append / fork / free / swap / prefix-hit programs against a simulated KV cache.
 
-Besides the bookkeeping invariants, the machine keeps a fake cache (one token id per slot, written
-through slot mappings and moved by the returned copy and swap mappings, as the kernels would).
-After every step, every computed token of every sequence must be readable from its own slots:
-that catches a missed copy-on-write, a wrong swap mapping or a false prefix hit, not just a
-miscounted ref count.
+Besides the bookkeeping invariants, the machine keeps a fake cache (one entry per slot, written
+through every group's slot mapping and moved by the returned copy and swap mappings, as the kernels
+would). The entry at position p is the sequence's tokens up to p: what a real K/V depends on, so two
+sequences may share it exactly when a prefix hit or a fork lets them. After every step, every
+position of every sequence that any group can still read must be in a live block of that group
+holding that entry: that catches a missed copy-on-write, a wrong swap mapping, a false prefix hit,
+and a window group freeing (or letting another sequence overwrite) a block its window still reads,
+not just a miscounted ref count. Layouts: the default one full group, and hybrid ones (kv_cache_groups)
+with one or two windows, with and without a full group.
 """
 import os
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpage.core import BlockManager, Sequence, check_block_manager
+from kvpage.core import NULL_BLOCK, BlockManager, Sequence, check_block_manager, kv_cache_layout
 
 _PROFILE = os.environ.get("KVPAGE_HYPOTHESIS_PROFILE", "ci")
 _EXAMPLES, _STEPS = {"ci": (60, 40), "deep": (2000, 100)}.get(_PROFILE, (60, 40))
@@ -19,13 +23,16 @@ _EXAMPLES, _STEPS = {"ci": (60, 40), "deep": (2000, 100)}.get(_PROFILE, (60, 40)
 # Few, short, overlapping prompts over a tiny vocabulary: prefix hits and shared blocks are common.
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 0, 0, 0, 0, 2, 2], [3, 3, 3, 3, 3, 3, 3, 3])
 VOCAB = st.integers(0, 3)
+LAYOUTS = (None, kv_cache_layout([None, 3, 3, None]), kv_cache_layout([None, 2, 5]), kv_cache_layout([4, 4]),
+           kv_cache_layout([1, None]), kv_cache_layout([1]))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 40),
-                num_host_blocks=st.integers(0, 24), prefix_caching=st.booleans())
-    def setup(self, block_size, num_blocks, num_host_blocks, prefix_caching):
-        self.bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, watermark=0.05)
+                num_host_blocks=st.integers(0, 24), prefix_caching=st.booleans(), layout=st.sampled_from(LAYOUTS))
+    def setup(self, block_size, num_blocks, num_host_blocks, prefix_caching, layout):
+        self.bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, watermark=0.05,
+                               kv_cache_layout=layout)
         self.groups: list[list[Sequence]] = []
         self.history: list[list[int]] = []
         self.device_kv: dict[int, list] = {}
@@ -41,11 +48,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """What a forward pass does: write this step's tokens through the slot mapping."""
         start = seq.num_computed_tokens
         bs = self.bm.block_size
-        for pos, slot in zip(range(start, start + num_new_tokens),
-                             self.bm.slot_mapping(seq, start, start + num_new_tokens)):
-            if slot < 0:  # already cached (a full hit's last token): the invariant checks it is there
-                continue
-            self.device_kv.setdefault(slot // bs, [None] * bs)[slot % bs] = seq.token_ids[pos]
+        for slots in self.bm.slot_mappings(seq, start, start + num_new_tokens):
+            for pos, slot in zip(range(start, start + num_new_tokens), slots):
+                if slot < 0:  # already cached (a full hit's last token): the invariant checks it is there
+                    continue
+                self.device_kv.setdefault(slot // bs, [None] * bs)[slot % bs] = tuple(seq.token_ids[:pos + 1])
         self.bm.mark_computed(seq, num_new_tokens)
 
     @staticmethod
@@ -132,7 +139,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self._groups(swapped=False)))
         if not self.bm.can_swap_out(group):
             return
-        distinct = {b for seq in group for b in seq.block_table}
+        distinct = {b for seq in group for t in seq.block_tables for b in t if b != NULL_BLOCK}
         mapping = self.bm.swap_out(group)
         assert sorted(src for src, _ in mapping) == sorted(distinct)  # each shared block moves once
         self._copy(self.device_kv, self.host_kv, mapping)
@@ -154,16 +161,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
             check_block_manager(self.bm, self._seqs())
 
     @invariant()
-    def every_computed_token_is_in_its_slot(self):
+    def every_readable_position_is_in_a_live_block_of_its_own(self):
+        """Each group's table holds every computed position a future query (at num_computed_tokens or
+        later) can read: all of them for a full group, those past c - W for a window of W."""
         if not hasattr(self, "bm"):
             return
         bs = self.bm.block_size
         for seq in self._seqs():
             kv = self._kv(seq)
-            for pos in range(seq.num_computed_tokens):
-                block = kv.get(seq.block_table[pos // bs])
-                assert block is not None and block[pos % bs] == seq.token_ids[pos], \
-                    f"seq {seq.seq_id}: position {pos} does not hold its token"
+            refs = (self.bm.host if seq.swapped else self.bm.device).ref_counts
+            c = seq.num_computed_tokens
+            for g, (table, window) in enumerate(zip(seq.block_tables, self.bm.sliding_windows)):
+                first = 0 if window is None else max(0, c - window + 1)
+                for pos in range(first, c):
+                    block_id = table[pos // bs]
+                    assert block_id != NULL_BLOCK and refs[block_id] > 0, \
+                        f"seq {seq.seq_id} group {g}: position {pos} (window {window}) is in no live block"
+                    block = kv.get(block_id)
+                    assert block is not None and block[pos % bs] == tuple(seq.token_ids[:pos + 1]), \
+                        f"seq {seq.seq_id} group {g}: position {pos} does not hold its K/V"
 
     def teardown(self):
         if not hasattr(self, "bm"):

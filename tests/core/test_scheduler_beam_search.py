@@ -13,7 +13,7 @@ import random
 import pytest
 
 from fake_runner import VOCAB, FakeRunner, assert_pool_whole, check_output, expected_outputs, sample
-from kvpage.core import BeamStep, BlockManager, Scheduler, check_block_manager
+from kvpage.core import BeamStep, BlockManager, Scheduler, check_block_manager, kv_cache_layout
 from test_scheduler_transaction import Faults, Injected
 
 
@@ -38,7 +38,7 @@ def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: 
     """Run (request_id, prompt, beam_width or 1) requests to the end; returns the outputs (beam
     requests: their last beams) and every step's SchedulerOutput. With `faults`, schedule() and
     update_from_output() may raise inside the block manager; the step is then simply not taken."""
-    runner = FakeRunner(scheduler.bm.block_size)
+    runner = FakeRunner(scheduler.bm.block_size, scheduler.bm.sliding_windows)
     beam_width = {}
     for rid, prompt, k in requests:
         scheduler.add_request(rid, prompt, max_tokens=max_tokens, eos_token_id=None, beam_width=k)
@@ -91,9 +91,13 @@ PROMPTS = [[(7 * i + j) % VOCAB for j in range(13 + 5 * i)] for i in range(6)]
 SHARED = [3] * 20  # a prefix two beam requests share through the prefix cache
 
 
+# Hybrid: a window of 20 frees the beams' early blocks; twice the pool for its two groups still preempts.
+@pytest.mark.parametrize("layout,scale", [(None, 1), (kv_cache_layout([None, 20]), 2)])
 @pytest.mark.parametrize("num_blocks,mode", [(200, None), (48, "recompute"), (48, "swap")])
-def test_beam_requests_share_steps_with_sampling_and_keep_their_beams(num_blocks, mode):
-    bm = BlockManager(num_blocks, block_size=4, num_host_blocks=200 if mode == "swap" else 0, watermark=0.0)
+def test_beam_requests_share_steps_with_sampling_and_keep_their_beams(num_blocks, mode, layout, scale):
+    """Also on hybrid layouts (scale: a pool as tight for their extra groups)."""
+    bm = BlockManager(int(num_blocks * scale), block_size=4, num_host_blocks=400 if mode == "swap" else 0,
+                      watermark=0.0, kv_cache_layout=layout)
     scheduler = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=16, preemption_mode=mode)
     # The beam requests arrive last, so the victim policy preempts them (the most recently admitted).
     requests = [("s0", PROMPTS[1], 1), ("s1", PROMPTS[3], 1), ("beam2", PROMPTS[5], 2), ("s2", PROMPTS[4], 1),

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fake_runner import Arrival, FakeRunner, StepFailed, assert_pool_whole, drive, expected_outputs
+from fake_runner import LAYOUTS, Arrival, FakeRunner, StepFailed, assert_pool_whole, drive, expected_outputs
 from kvpage.core import BlockManager, Scheduler
 
 GARBAGE = -7  # no token id: any read of it changes the fake model's output
@@ -26,8 +26,8 @@ class FlakyRunner(FakeRunner):
     "nothing": no work, but garbage in every block the step was to fill by swap or copy (a transfer
     cut off) and in every slot its forward pass was to write (a kernel cut off); "moves": the swaps and copies, no forward pass; "all": the whole step, results lost."""
 
-    def __init__(self, block_size: int, fail, part: str) -> None:
-        super().__init__(block_size)
+    def __init__(self, block_size: int, fail, part: str, sliding_windows: tuple = (None,)) -> None:
+        super().__init__(block_size, sliding_windows)
         self.fail, self.part = fail, part
         self.failed_moves = Counter()  # what the failed steps were to move, to show the test covers it
 
@@ -41,7 +41,7 @@ class FlakyRunner(FakeRunner):
                 self.host[dst] = [GARBAGE] * self.block_size
             for _, dst in out.blocks_to_swap_in + out.blocks_to_copy:
                 self.device[dst] = [GARBAGE] * self.block_size
-            for slot in (slot for s in out.scheduled for slot in s.slot_mapping if slot >= 0):
+            for slot in (slot for s in out.scheduled for slots in s.slot_mappings for slot in slots if slot >= 0):
                 self._block(self.device, slot // self.block_size)[slot % self.block_size] = GARBAGE
         elif self.part == "moves":
             super().execute(replace(out, scheduled=[]))
@@ -109,14 +109,14 @@ _EXAMPLES = {"ci": 40, "deep": 2000}.get(os.environ.get("KVPAGE_HYPOTHESIS_PROFI
 @given(seed=st.integers(0, 10**6), part=st.sampled_from(PARTS), fail_rate=st.sampled_from([0.1, 0.3, 0.6]),
        block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(24, 80), num_host_blocks=st.integers(0, 40),
        prefix_caching=st.booleans(), max_num_batched_tokens=st.integers(8, 64),
-       mode=st.sampled_from([None, "swap", "recompute"]))
+       mode=st.sampled_from([None, "swap", "recompute"]), layout=st.sampled_from(LAYOUTS))
 def test_random_failures_never_change_an_output(seed, part, fail_rate, block_size, num_blocks, num_host_blocks,
-                                                prefix_caching, max_num_batched_tokens, mode):
+                                                prefix_caching, max_num_batched_tokens, mode, layout):
     arrivals = _workload(seed)
-    bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+    bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, kv_cache_layout=layout)
     s = Scheduler(bm, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, preemption_mode=mode)
     rng = random.Random(seed)
     result = drive(s, arrivals, max_steps=50_000, allow_rejects=True,
-                   runner=FlakyRunner(block_size, lambda step: rng.random() < fail_rate, part))
+                   runner=FlakyRunner(block_size, lambda step: rng.random() < fail_rate, part, bm.sliding_windows))
     _assert_undisturbed(result, [a for a in arrivals if a.request_id not in result.rejected])
     assert_pool_whole(bm)

@@ -9,8 +9,8 @@ import os
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fake_runner import Arrival, assert_pool_whole, drive, expected_outputs
-from kvpage.core import BlockManager, RequestStatus, Scheduler
+from fake_runner import LAYOUTS, Arrival, assert_pool_whole, drive, expected_outputs
+from kvpage.core import BlockManager, RequestStatus, Scheduler, num_blocks_per_seq
 
 _PROFILE = os.environ.get("KVPAGE_HYPOTHESIS_PROFILE", "ci")
 _EXAMPLES = {"ci": 60, "deep": 3000}.get(_PROFILE, 60)
@@ -29,18 +29,20 @@ arrival = st.builds(
        block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(8, 80), num_host_blocks=st.integers(0, 40),
        prefix_caching=st.booleans(), watermark=st.sampled_from([0.0, 0.01, 0.1]),
        max_num_batched_tokens=st.integers(1, 64), max_num_seqs=st.integers(1, 8),
-       policy=st.sampled_from(["recent", "least_progress"]), mode=st.sampled_from([None, "swap", "recompute"]))
+       policy=st.sampled_from(["recent", "least_progress"]), mode=st.sampled_from([None, "swap", "recompute"]),
+       layout=st.sampled_from(LAYOUTS))
 def test_random_workloads_keep_every_invariant(arrivals, block_size, num_blocks, num_host_blocks, prefix_caching,
-                                               watermark, max_num_batched_tokens, max_num_seqs, policy, mode):
+                                               watermark, max_num_batched_tokens, max_num_seqs, policy, mode, layout):
     arrivals = [Arrival(step, f"r{i}", [p % 10 for p in prompt] or [1], max_tokens, n, abort_at)
                 for i, (step, prompt, max_tokens, n, abort_at) in enumerate(arrivals)]
-    bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, watermark)
+    bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching, watermark, kv_cache_layout=layout)
     s = Scheduler(bm, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   policy=policy, preemption_mode=mode)
     result = drive(s, arrivals, max_steps=20_000, allow_rejects=True)
     for a in arrivals:
         if a.request_id in result.rejected:
-            need = a.n * -(-(len(a.prompt) + a.max_tokens) // block_size)
+            total = len(a.prompt) + a.max_tokens
+            need = a.n * num_blocks_per_seq(bm.kv_cache_layout, total, block_size, min(total, max_num_batched_tokens))
             assert need > num_blocks - bm.watermark_blocks or a.n > min(max_num_seqs, max_num_batched_tokens)
             continue
         expected = expected_outputs(a.prompt, a.max_tokens, a.n)

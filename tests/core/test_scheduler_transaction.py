@@ -11,7 +11,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from fake_runner import Arrival, FakeRunner, assert_pool_whole, check_output, expected_outputs
+from fake_runner import LAYOUTS, Arrival, FakeRunner, assert_pool_whole, check_output, expected_outputs
 from kvpage.core import BlockManager, Scheduler, check_block_manager
 
 
@@ -26,7 +26,7 @@ class Faults:
 
     POOL = ("allocate", "incref", "decref", "uncache")
     MANAGER = ("allocate", "append_slots", "mark_computed", "fork", "free", "swap_out", "swap_in", "slot_mapping",
-               "note_computing")
+               "slot_mappings", "note_computing")
 
     def __init__(self, bm: BlockManager, rng: random.Random, rate: float) -> None:
         self.rng, self.rate, self.armed, self.fired = rng, rate, False, 0
@@ -54,7 +54,8 @@ def _workload(seed: int) -> list[Arrival]:
 
 
 def _run(scheduler: Scheduler, arrivals: list[Arrival], faults: Faults) -> dict:
-    runner, pending, requests = FakeRunner(scheduler.bm.block_size), sorted(arrivals, key=lambda a: a.step), {}
+    runner = FakeRunner(scheduler.bm.block_size, scheduler.bm.sliding_windows)
+    pending, requests = sorted(arrivals, key=lambda a: a.step), {}
     for step in range(20_000):
         if not pending and not scheduler.has_unfinished_requests():
             break
@@ -86,11 +87,12 @@ def _run(scheduler: Scheduler, arrivals: list[Arrival], faults: Faults) -> dict:
 @settings(max_examples=25)
 @given(seed=st.integers(0, 10**6), rate=st.sampled_from([0.005, 0.02, 0.05]), block_size=st.sampled_from([2, 4]),
        num_blocks=st.integers(48, 96), num_host_blocks=st.sampled_from([0, 32]), prefix_caching=st.booleans(),
-       mode=st.sampled_from(["swap", "recompute"]))
+       mode=st.sampled_from(["swap", "recompute"]), layout=st.sampled_from(LAYOUTS[:3]))
 def test_faults_in_the_bookkeeping_never_change_an_output(seed, rate, block_size, num_blocks, num_host_blocks,
-                                                          prefix_caching, mode):
+                                                          prefix_caching, mode, layout):
     arrivals = _workload(seed)
-    bm = BlockManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+    groups = 1 if layout is None else layout.num_groups  # a window group may hold a whole chunk: count it full
+    bm = BlockManager(num_blocks * groups, block_size, num_host_blocks * groups, prefix_caching, kv_cache_layout=layout)
     scheduler = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=8,
                           preemption_mode=mode if num_host_blocks else "recompute")
     faults = Faults(bm, random.Random(seed), rate)
