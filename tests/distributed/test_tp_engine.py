@@ -15,7 +15,8 @@ import kvpage
 from kvpage import SamplingParams
 from kvpage.model import ModelInput, ModelRunner, SequenceInput
 
-from tp_helpers import LOGITS_ATOL, LOGITS_RTOL, assert_same_greedy, prefix_sharing_prompts, random_prompts, tiny_llama
+from tp_helpers import (LOGITS_ATOL, LOGITS_RTOL, assert_same_greedy, generate_then_shut_down, prefix_sharing_prompts,
+                        random_prompts, tiny_llama)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -119,11 +120,7 @@ def test_8_kv_heads_under_preemption(tiny, mode):
     and every rank moves its own shard of the blocks."""
     model, prompts, want = tiny
     tp2 = kvpage.LLM(model=model, num_kv_blocks=12, preemption_mode=mode, tensor_parallel_size=2)
-    try:
-        got = tp2.generate(prompts, GREEDY, use_tqdm=False)
-        stats = tp2.stats()
-    finally:
-        tp2.shutdown()
+    got, stats = generate_then_shut_down(tp2, prompts, GREEDY)
     assert_same_greedy(model, prompts, want, got)
     assert stats[f"num_{mode}_preemptions"] > 0 and stats[f"num_{mode}_preemptions"] == stats["num_preemptions"]
     if mode == "swap":

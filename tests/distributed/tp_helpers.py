@@ -102,3 +102,11 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.append(int(entry))
     return found
+
+
+def generate_then_shut_down(llm, prompts, params):
+    """(outputs, stats) of one generate call on a TP LLM, whose workers are shut down whatever happens."""
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), llm.stats()
+    finally:
+        llm.shutdown()

@@ -3,11 +3,12 @@ groups, every group's block tables and slot mappings through the step payload an
 layer reading its own group's (AttentionMetadata.for_layer)."""
 import pytest
 import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
-from kvpage.core.kv_cache_groups import KVCacheGroup, KVCacheLayout, kv_cache_layout
+from kvpage.core.kv_cache_groups import NULL_BLOCK, KVCacheGroup, KVCacheLayout, kv_cache_layout
 from kvpage.distributed import protocol
 from kvpage.model import ModelInput, ModelRunner, SequenceInput
-from kvpage.model.runner import kv_cache_bytes_per_block, num_blocks_for_memory
+from kvpage.model.runner import kv_cache_bytes_per_block, model_kv_cache_layout, num_blocks_for_memory
 from kvpage.model.step_inputs import pack_payload, unpack_payload
 from tiny_models import random_prompts, tiny_model
 
@@ -151,5 +152,75 @@ def test_per_group_tables_give_one_tables_logits(generic, monkeypatch):
                          kv_cache_layout=two_full_groups(4))
     # Group 1 takes the blocks group 0 does not, in reverse: no block id means the same in both groups.
     got = run_steps(hybrid, prompts, lambda i, g: [4 * i + k if g == 0 else 23 - 4 * i - k for k in range(4)], 5)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def window_model(family: str, seed: int = 0):
+    """A tiny random model with window and full layers: Gemma 3's pattern (HF's modules run it) or Qwen2 with
+    use_sliding_window (kvpage's own forward). Large weights: a token outside the window changes the logits."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.3,
+                  tie_word_embeddings=False)
+    if family == "gemma3":
+        config = Gemma3TextConfig(**common, sliding_window=12, query_pre_attn_scalar=32,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        return Gemma3ForCausalLM(config).eval()
+    config = Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def run_chunked(runner: ModelRunner, prompts: list[list[int]], decode_tokens: int, chunk: int = 10,
+                drop_outside_windows: bool = True) -> list[torch.Tensor]:
+    """Prefill in chunks of `chunk` tokens, then greedy decode steps, each sequence in blocks of its own per
+    group. With drop_outside_windows, before every step a window group's table entries of blocks no query
+    of the step can see become NULL_BLOCK and those blocks are filled with NaN: a read of one shows."""
+    layout, bs, n = runner.layout, runner.block_size, len(prompts)
+    width = -(-(max(map(len, prompts)) + decode_tokens) // bs)
+    tables = [[[(g * n + i) * width + k for k in range(width)] for g in range(layout.num_groups)] for i in range(n)]
+    tokens, done, out = [list(p) for p in prompts], [0] * n, []
+    while min(len(t) - len(p) for t, p in zip(tokens, prompts)) < decode_tokens:
+        seqs, which = [], [i for i in range(n) if done[i] < len(tokens[i])]
+        for i in which:
+            if drop_outside_windows:
+                _drop_outside_windows(runner, tables[i], done[i])
+            todo = tokens[i][done[i]:done[i] + chunk]
+            seqs.append(grouped(SequenceInput(todo, done[i], [], [], do_sample=done[i] + len(todo) == len(tokens[i])),
+                                tables[i]))
+            done[i] += len(todo)
+        out.append(runner.execute(ModelInput(seqs)))
+        sampled = [i for i, s in zip(which, seqs) if s.do_sample]
+        for i, row in zip(sampled, out[-1]):
+            tokens[i].append(int(row.argmax()))
+    return out
+
+
+def _drop_outside_windows(runner: ModelRunner, tables: list[list[int]], start: int) -> None:
+    """A window group keeps positions from max(0, start - W + 1) on (the contract's rule)."""
+    for g, group in enumerate(runner.layout.groups):
+        if group.sliding_window is None:
+            continue
+        for k in range(max(0, start - group.sliding_window + 1) // runner.block_size):
+            if tables[g][k] != NULL_BLOCK:
+                for key, value in runner.kv_cache_pairs:
+                    key[tables[g][k]], value[tables[g][k]] = float("nan"), float("nan")
+                tables[g][k] = NULL_BLOCK
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_sliding"])  # HF's modules; kvpage's own forward
+def test_window_groups_free_blocks_yet_give_full_tables_logits(family):
+    """The model's own layout (full + window groups, the window groups' blocks before the window dropped and
+    poisoned) gives the logits of one group of full tables (the window applied by the kernels alone), through
+    chunked prefill and decode several windows long."""
+    reference, model = window_model(family), window_model(family)
+    layout = model_kv_cache_layout(model.config)
+    assert layout.num_groups > 1 and layout.is_hybrid
+    prompts = random_prompts([45, 23, 31])
+    full = ModelRunner(reference, num_kv_blocks=3 * layout.num_groups * 10, block_size=BLOCK)
+    want = run_chunked(full, prompts, decode_tokens=24, drop_outside_windows=False)
+    hybrid = ModelRunner(model, num_kv_blocks=3 * layout.num_groups * 10, block_size=BLOCK, kv_cache_layout=layout)
+    got = run_chunked(hybrid, prompts, decode_tokens=24)
+    assert len(got) == len(want) > 24
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -126,12 +126,15 @@ class TensorParallelExecutor:
 
     # -- sizing ----------------------------------------------------------------------------------
 
-    def rank_bytes_per_block(self, block_size: int, cache_dtype: torch.dtype | None = None) -> list[int]:
-        """cache_dtype: default the allocated caches' (before allocate: the model's)."""
+    def rank_bytes_per_block(self, block_size: int, cache_dtype: torch.dtype | None = None,
+                             layout=None) -> list[int]:
+        """cache_dtype: default the allocated caches' (before allocate: the model's). layout: the KV-cache
+        groups (kvpage.core.KVCacheLayout), default the allocated caches' (before allocate: one group)."""
         from kvpage.model import kv_cache_bytes_per_block
 
         cache_dtype = cache_dtype or self.cache_dtype
-        return [kv_cache_bytes_per_block(self.model.config, block_size, cache_dtype, s.num_kv_heads)
+        layout = layout or getattr(self.runner, "layout", None)
+        return [kv_cache_bytes_per_block(self.model.config, block_size, cache_dtype, s.num_kv_heads, layout)
                 for s in self.plan.ranks]
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -143,16 +146,22 @@ class TensorParallelExecutor:
 
     def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                  cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest", dcp_interleave: int = 1) -> None:
+                 matmul_precision: str = "highest", dcp_interleave: int = 1, layout=None) -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
         cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES; weight_dtype: the
         ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard), as
         is matmul_precision. block_size: a rank's physical block; under decode context parallelism the
         scheduler's blocks are block_size * dcp_size tokens (virtual_block_size), dcp_interleave
-        positions at a time on each rank of the group."""
+        positions at a time on each rank of the group. layout: None (one group of all layers) or the model's
+        own KV-cache groups (model_kv_cache_layout), which every rank derives from its config."""
+        from kvpage.model.runner import model_kv_cache_layout
+
+        if layout is not None and layout != model_kv_cache_layout(self.model.config):
+            raise ValueError("layout: tensor-parallel ranks lay their caches out in the model's own KV-cache groups"
+                             " (kvpage.model.runner.model_kv_cache_layout) or in one group (None)")
         own = None if cache_dtype == self.model.dtype else cache_dtype
         h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, own,
-                                     weight_dtype, matmul_precision, dcp_interleave)
+                                     weight_dtype, matmul_precision, dcp_interleave, layout is not None)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]

@@ -30,9 +30,11 @@ KIND, MESSAGE, NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY
 HEADER_LEN = len(_SLOTS)
 _SIZE_SLOTS = tuple(f.name for f in fields(PayloadSizes))  # in PayloadSizes' order
 # An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES, WEIGHT_DTYPE
-# into WEIGHT_DTYPES; BLOCK_SIZE a rank's physical block; DCP_INTERLEAVE: dcp_kv_cache_interleave_size).
-NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE, MATMUL_PRECISION, DCP_INTERLEAVE = \
-    NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY
+# into WEIGHT_DTYPES; BLOCK_SIZE a rank's physical block; DCP_INTERLEAVE: dcp_kv_cache_interleave_size;
+# MODEL_KV_CACHE_GROUPS: 1 where the caches are laid out in the model's KV-cache groups, which every rank
+# derives from its config (kvpage.model.runner.model_kv_cache_layout), 0 for one group of all layers).
+NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE, MATMUL_PRECISION, DCP_INTERLEAVE, \
+    MODEL_KV_CACHE_GROUPS = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN
 # The cache dtypes a rank can be asked for: None is the model's own.
 CACHE_DTYPES = (None, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
 # The weight storage a rank can be asked for (ModelRunner's weight_dtype): None keeps the weights as loaded.
@@ -52,10 +54,12 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                     cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                    matmul_precision: str = "highest", dcp_interleave: int = 1) -> torch.Tensor:
+                    matmul_precision: str = "highest", dcp_interleave: int = 1,
+                    model_kv_cache_groups: bool = False) -> torch.Tensor:
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
                   num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype),
-                  swap_in=MATMUL_PRECISIONS.index(matmul_precision), copy=dcp_interleave)
+                  swap_in=MATMUL_PRECISIONS.index(matmul_precision), copy=dcp_interleave,
+                  max_query_len=int(model_kv_cache_groups))
 
 
 def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:

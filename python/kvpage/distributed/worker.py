@@ -56,11 +56,20 @@ def allocate(model, h: torch.Tensor, group: TPGroup):
                              int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads,
                              kv_cache_dtype=protocol.cache_dtype_of(h), weight_dtype=protocol.weight_dtype_of(h),
                              matmul_precision=protocol.matmul_precision_of(h),
-                             context_parallel=_context_parallel(group, h))
-        mine = [_nbytes(runner.kv_caches), _nbytes(runner.host_kv_caches)]
+                             context_parallel=_context_parallel(group, h), kv_cache_layout=_kv_cache_layout(model, h))
+        mine = [_nbytes(runner.kv_cache_pairs), _nbytes(runner.host_kv_caches)]
     except (RuntimeError, ValueError, MemoryError):
         traceback.print_exc()
     return runner, [tuple(row) for row in _all_gather_ints(mine, group)]
+
+
+def _kv_cache_layout(model, h: torch.Tensor):
+    """The model's KV-cache groups where the driver lays its cache out in them, else None (one group)."""
+    if not int(h[protocol.MODEL_KV_CACHE_GROUPS]):
+        return None
+    from kvpage.model.runner import model_kv_cache_layout
+
+    return model_kv_cache_layout(model.config)
 
 
 def _context_parallel(group: TPGroup, h: torch.Tensor):

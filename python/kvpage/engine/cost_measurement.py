@@ -46,7 +46,9 @@ def probe_swap(runner, repeats: int = 7) -> tuple[float, float] | None:
     scratch host buffer and back: the device blocks end as they began and the host pool is untouched.
     On a CPU a few blocks fit in the last-level cache, so the bandwidth is an upper bound; it decides
     nothing there, where recompute costs orders of magnitude more per token than a copy."""
-    caches = [t for kv in getattr(runner, "kv_caches", None) or () for t in kv]
+    # The runner's distinct cache tensors (a hybrid layout's groups share them: kv_caches repeats them per layer).
+    pairs = getattr(runner, "kv_cache_pairs", None) or getattr(runner, "kv_caches", None) or ()
+    caches = [t for kv in pairs for t in kv]
     if not caches:
         return None
     counts = [n for n in PROBE_BLOCK_COUNTS if n <= caches[0].shape[0]]

@@ -12,10 +12,14 @@ from kvpage.core.context_parallel import check_context_parallel, check_dcp_sizes
 from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 
+from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from .generation_defaults import describe as describe_sampling_defaults
+from .generation_defaults import model_sampling_defaults
 from .llm_engine import EngineConfig, LLMEngine
 from .model_config import eos_token_ids, max_model_len, resolve_dtype, resolve_seed, resolve_tokenizer
 from .outputs import RequestOutput
 from .prompt_inputs import PromptItem, chat_template_prompt, normalise_conversations, normalise_prompts, per_prompt_params
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpage")
 
@@ -26,8 +30,6 @@ CPU_KV_CACHE_GIB = 1.0
 GPU_KV_CACHE_FRACTION = 0.5
 # Host pool for swap preemption when swap_space_gib is None (vLLM's default is 4 GiB per GPU).
 DEFAULT_SWAP_SPACE_GIB = 0.5
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_MAX_NUM_SEQS = 256
 
 
 class LLM:
@@ -84,7 +86,8 @@ class LLM:
         from kvpage.model import (ModelRunner, kv_cache_dtype_from_name, load_model,  # torch: when an LLM is built
                                   weight_dtype_from_name)
         from kvpage.model.cuda_graphs import CudaGraphConfig
-        from kvpage.model.runner import MATMUL_PRECISIONS, check_cache_dtype, check_matmul_precision, check_weight_dtype
+        from kvpage.model.runner import (MATMUL_PRECISIONS, check_cache_dtype, check_matmul_precision, check_weight_dtype,
+                                         model_kv_cache_layout)
 
         cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
         weight_storage = weight_dtype_from_name(weight_dtype)
@@ -96,7 +99,16 @@ class LLM:
         self.kv_cache_dtype = cache_dtype or self.model.dtype
         check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        self.default_sampling_fields = model_sampling_defaults(self.model, embedded=model is None)
+        logger.info("kvpage: %s", describe_sampling_defaults(self.default_sampling_fields))
         config = self.model.config
+        # The KV-cache groups (layers by sliding window; one group without windows): the block manager keeps a
+        # block table per group, the runner a cache pair per group member, and a block id is that many layers.
+        self.kv_cache_layout = model_kv_cache_layout(config)
+        if decode_context_parallel_size > 1 and self.kv_cache_layout.num_groups > 1:
+            raise ValueError(f"decode_context_parallel_size={decode_context_parallel_size} is not supported for a"
+                             f" model with sliding-window and full-attention layers (a hybrid KV cache of"
+                             f" {self.kv_cache_layout.num_groups} groups); use decode_context_parallel_size=1")
         context_limit = _context_limit(config, max_model_len)
         max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.tensor_parallel_size = tensor_parallel_size
@@ -116,12 +128,14 @@ class LLM:
             num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
         else:
             num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
-            num_host_blocks = _blocks_for(config, swap_gib, block_size, self.kv_cache_dtype) if swap_gib else 0
+            num_host_blocks = (_blocks_for(config, swap_gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
+                               if swap_gib else 0)
             self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
             graphs = None if enforce_eager or context_limit is None else CudaGraphConfig(max_num_seqs, context_limit)
             self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
                                       kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage,
-                                      matmul_precision=matmul_precision, cuda_graphs=graphs)
+                                      matmul_precision=matmul_precision, cuda_graphs=graphs,
+                                      kv_cache_layout=self.kv_cache_layout)
         # Under DCP one block id holds block_size tokens on each of the group's D ranks.
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
             num_kv_blocks=num_kv_blocks, block_size=block_size * decode_context_parallel_size,
@@ -129,7 +143,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs, max_model_len=context_limit, preemption_mode=preemption_mode,
-            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs))
+            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs,
+            kv_cache_layout=self.kv_cache_layout))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size * decode_context_parallel_size,
                     num_kv_blocks * block_size * decode_context_parallel_size,
@@ -145,7 +160,8 @@ class LLM:
         from kvpage.model import kv_cache_bytes_per_block
         from kvpage.ops.memory import available_bytes, gib
 
-        per_block = kv_cache_bytes_per_block(self.model.config, block_size, self.kv_cache_dtype)
+        per_block = kv_cache_bytes_per_block(self.model.config, block_size, self.kv_cache_dtype,
+                                             layout=self.kv_cache_layout)
         device = next(self.model.parameters()).device
         host = torch.device("cpu")
         needs = {device: num_kv_blocks * per_block}
@@ -164,7 +180,7 @@ class LLM:
             gib = GPU_KV_CACHE_FRACTION * free / 2**30
         else:
             gib = CPU_KV_CACHE_GIB
-        return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype)
+        return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
 
     def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
                                swap_gib: float, weight_dtype=None, matmul_precision: str = "highest",
@@ -176,13 +192,13 @@ class LLM:
 
         executor = launch(model_arg, self.model, size, dcp_size)
         try:
-            per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype))
+            per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype, self.kv_cache_layout))
             if num_kv_blocks is None:
                 cuda = executor.device.type == "cuda"
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
-                              weight_dtype, matmul_precision, dcp_interleave)
+                              weight_dtype, matmul_precision, dcp_interleave, self.kv_cache_layout)
         except BaseException:
             executor.shutdown()
             raise
@@ -197,6 +213,14 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json sampling defaults (kvpage.engine.generation_defaults);
+        what generate() and chat() use when given no SamplingParams."""
+        return SamplingParams(**self.default_sampling_fields)
+
+    def _or_defaults(self, sampling_params):
+        return self.get_default_sampling_params() if sampling_params is None else sampling_params
+
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -206,7 +230,7 @@ class LLM:
         If a step raises anyway (the runner, a KeyboardInterrupt), this call's requests are withdrawn
         and their blocks freed before the exception propagates: the LLM then generates as before."""
         prompts = normalise_prompts(prompts)
-        params = per_prompt_params(sampling_params, len(prompts))
+        params = per_prompt_params(self._or_defaults(sampling_params), len(prompts))
         items = [PromptItem(text, ids, sp, salt) for (text, ids, salt), sp in zip(prompts, params)]
         return call_locked(self._lock, self._run, items, use_tqdm)
 
@@ -216,7 +240,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = normalise_conversations(messages)
-        params = per_prompt_params(sampling_params, len(conversations))
+        params = per_prompt_params(self._or_defaults(sampling_params), len(conversations))
         return call_locked(self._lock, self._chat, conversations, params, chat_template, use_tqdm)
 
     def _chat(self, conversations, params, chat_template: str | None, use_tqdm: bool) -> list[RequestOutput]:
@@ -306,7 +330,7 @@ class LLM:
             stats["kv_cache_bytes_per_rank"] = [device for device, _ in self.runner.kv_cache_bytes]
         else:
             stats["kv_cache_bytes_per_rank"] = [sum(t.numel() * t.element_size()
-                                                    for kv in self.runner.kv_caches for t in kv)]
+                                                    for kv in self.runner.kv_cache_pairs for t in kv)]
         return stats
 
     def _settled_stats(self) -> dict:
@@ -339,9 +363,9 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be an int power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 
-def _blocks_for(config, gib: float, block_size: int, dtype) -> int:
-    from kvpage.model import num_blocks_for_memory
-    return num_blocks_for_memory(config, gib, block_size, dtype)
+def _blocks_for(config, gib: float, block_size: int, dtype, layout) -> int:
+    from kvpage.model.runner import num_blocks_for_memory
+    return num_blocks_for_memory(config, gib, block_size, dtype, layout)
 
 
 def _progress(total: int, use_tqdm: bool):

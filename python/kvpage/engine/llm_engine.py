@@ -14,6 +14,7 @@ import torch
 
 from kvpage.core import BeamStep, BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
 from kvpage.core.interrupts import deferred_interrupts
+from kvpage.core.kv_cache_groups import KVCacheLayout
 
 from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
@@ -46,6 +47,9 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()  # the first is the scheduler's eos; the rest stop like it
     seed: int = 0
     max_logprobs: int = 20  # vLLM's cap on logprobs / prompt_logprobs; -1: the whole vocabulary
+    # The KV-cache groups (kvpage.core.KVCacheLayout; the runner's): the block manager keeps one block table
+    # per group. None: one group of all layers.
+    kv_cache_layout: KVCacheLayout | None = None
 
 
 @dataclass
@@ -82,7 +86,8 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           num_host_blocks=config.num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          kv_cache_layout=config.kv_cache_layout)
         self.cost_model = measured_cost_model(runner, config.block_size)  # swap vs recompute, priced here
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -506,6 +511,8 @@ class LLMEngine:
         return {
             "num_kv_blocks": b.num_blocks, "block_size": self.config.block_size,
             "kv_blocks_used": b.num_used_blocks, "max_kv_blocks_used": self.max_kv_blocks_used,
+            "kv_blocks_used_per_group": list(b.num_used_blocks_per_group),
+            "kv_cache_groups": kv_cache_groups_stats(self.block_manager.kv_cache_layout),
             "kv_blocks_cached": b.num_cached_blocks, "num_host_blocks": b.num_host_blocks,
             "prefix_cache_queried_tokens": b.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": b.prefix_cache_hit_tokens, "prefix_cache_hit_rate": b.prefix_cache_hit_rate,
@@ -521,6 +528,11 @@ class LLMEngine:
     def _mean_request_tokens(self, num_finished: int) -> float | None:
         num_requests = num_finished + len(self._states)
         return (self.num_prompt_tokens + self.num_generation_tokens) / num_requests if num_requests else None
+
+
+def kv_cache_groups_stats(layout: KVCacheLayout) -> list[dict]:
+    """Each KV-cache group, in layout order: its window (None: full attention) and how many layers it holds."""
+    return [{"sliding_window": g.sliding_window, "num_layers": len(g.layer_ids)} for g in layout.groups]
 
 
 def _rows_of(logits: torch.Tensor, keep: list[int]) -> torch.Tensor:
