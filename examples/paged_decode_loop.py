@@ -7,7 +7,7 @@ sequence) read the cache back through the block tables. The sequences of a step 
 of tokens, back to back, without padding. Weights are the HF model's; the output equals greedy
 `model.generate`, which the script checks.
 
-    python examples/paged_decode_loop.py [--max-new-tokens 24] [--quick]
+    python examples/paged_decode_loop.py [--model DIR] [--max-new-tokens 24] [--quick]
 """
 from __future__ import annotations
 
@@ -97,12 +97,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 def main(argv=None) -> bool:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a local Llama-family HF model directory (default: the"
+                        " embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--quick", action="store_true", help="4 new tokens (smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.max_new_tokens = 4
-    model, tokenizer = load_model(None)  # SmolLM2-135M-Instruct (a Llama), fp32
+    model, tokenizer = load_model(args.model)  # default: SmolLM2-135M-Instruct (a Llama), fp32
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     outputs = generate(model, prompts, args.max_new_tokens)
     same = True

@@ -10,6 +10,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvpage.engine.arg_utils import add_engine_args, engine_kwargs
+
 # Ollama's default: it keeps the 135M default model from looping and from repeating its previous answer
 # in a conversation (HF generate loops the same way at 1.0). vLLM's default, 1.0, turns it off.
 REPETITION_PENALTY = 1.1
@@ -25,7 +27,27 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
 
 
-class CommandParser(argparse.ArgumentParser):
+class SuggestingParser(argparse.ArgumentParser):
+    """An unknown flag or subcommand gets a "did you mean" from the known ones (Python 3.11's argparse has no
+    suggest_on_error)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized_message(extras, self._option_string_actions))
+        return namespace, extras
+
+    def error(self, message):
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        self.fail(message)
+
+    def fail(self, message):
+        super().error(message)
+
+
+class CommandParser(SuggestingParser):
     """A subcommand's parser: --help shows every default, and an unknown flag is reported with this
     command's usage (argparse otherwise hands leftovers to the top-level parser, whose usage says nothing
     about the command's flags)."""
@@ -34,17 +56,27 @@ class CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args=None, namespace=None):
-        namespace, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return namespace, extras
-
-    def error(self, message):
+    def fail(self, message):
         """argparse's error, under a one-line usage (the full one, every option, is --help's)."""
         positionals = "".join(f" {a.metavar or a.dest}" for a in self._actions if not a.option_strings)
         self.exit(2, f"usage: {self.prog} [options]{positionals}   (--help lists the options)\n"
                      f"{self.prog}: error: {message}\n")
+
+
+def did_you_mean(word: str, known) -> str:
+    import difflib
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def unrecognized_message(extras: list[str], known_flags) -> str:
+    """Only the unknown flags, each with a suggestion: the words after a mistyped flag are not its value
+    (argparse cannot know that), so naming them too would blame the prompt."""
+    flags = [word for word in extras if word.startswith("-") and word != "-"]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    names = [f"{flag}{did_you_mean(flag.split('=', 1)[0], known_flags)}" for flag in flags]
+    return f"unrecognized arguments: {', '.join(names)}"
 
 
 def flag_words(message: str) -> str:
@@ -61,17 +93,6 @@ def sampling_params(args):
         raise ValueError(flag_words(str(e))) from None
 
 
-def positive_int(text: str) -> int:
-    """argparse type: checked at parse time, so the error names the flag and shows the command's usage."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def check_model_dir(model: str | None) -> None:
     if model is not None and not (Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: not a local HF model directory (it has no config.json); nothing is"
@@ -84,10 +105,7 @@ def _llm(args):
     print(f"kvpage: loading {args.model or 'the default model, SmolLM2-135M-Instruct'} ...",
           file=sys.stderr, flush=True)
     import kvpage
-    return kvpage.LLM(model=args.model, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
-                      weight_dtype=args.weight_dtype, matmul_precision=args.matmul_precision,
-                      enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                      decode_context_parallel_size=args.decode_context_parallel_size)
+    return kvpage.LLM(**engine_kwargs(args))
 
 
 @contextmanager
@@ -101,20 +119,16 @@ def _serving_llm(args):
 
 
 def cmd_generate(args) -> None:
-    """One prompt: a question through the model's chat template (as `vllm chat` and `ollama run` do), or,
-    with --raw or a model without a template, the text continued as is."""
-    from kvpage.commands.chat import has_chat_template
+    """One prompt, its answer streamed (kvpage.commands.generate); a prompt longer than the model's context
+    is refused before the model loads."""
+    from kvpage.commands.generate import check_prompt_fits, run_generate
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
+    check_model_dir(args.model)
+    check_prompt_fits(args.model, args.prompt, args.raw, args.max_model_len)
     with _serving_llm(args) as llm:
-        if args.raw or not has_chat_template(llm.tokenizer):
-            out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-        else:
-            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
-    if args.show_prompt:
-        print(f"[prompt]\n{out.prompt}\n[reply]")
-    print(out.outputs[0].text.strip() if not args.raw else out.outputs[0].text)
+        run_generate(llm, args.prompt, params, raw=args.raw, stream=not args.no_stream, show_prompt=args.show_prompt)
 
 
 def cmd_chat(args) -> None:
@@ -166,25 +180,9 @@ def cmd_plan(args) -> None:
 
 
 def _add_engine_flags(p) -> None:
-    p.add_argument("--model", default=None, help="a local HF model directory (default: the embedded"
-                   " SmolLM2-135M-Instruct)")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
-                   help="KV-cache blocks of 16 tokens (default: what the memory budget holds)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "bfloat16", "float16"),
-                   default="auto", help="fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32; bfloat16 /"
-                   " float16: 2x (CPU, float32 model); neither is token-identical")
-    p.add_argument("--weight-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
-                   help="bfloat16 / float16: the weights rounded to and stored in 16 bits, computed in"
-                   " float32 (CPU, float32 model): half the bytes a decode step streams")
-    p.add_argument("--matmul-precision", choices=("highest", "medium"), default="highest",
-                   help="medium: the linear layers compute with bf16 dot products where the CPU has"
-                   " AVX512-BF16 (weights and inputs rounded to bf16), not token-identical")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (GPU only; the CPU always runs eagerly)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
-                   help="processes splitting each layer's heads (one per GPU; on a CPU, the cores shared out)")
-    p.add_argument("--decode-context-parallel-size", type=positive_int, default=1,
-                   help="ranks sharing KV heads split each sequence's positions instead (divides the TP size)")
+    """Every engine option (kvpage.engine.arg_utils, their one declaration) but the engine's seed: these
+    commands' --seed is the sampling seed."""
+    add_engine_args(p, skip=("seed",))
 
 
 def _add_sampling_flags(p, max_tokens: int) -> None:
@@ -215,6 +213,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("prompt", help="the question, or with --raw the text to continue")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template:"
                    " the model continues the text")
+    p.add_argument("--no-stream", action="store_true", help="print the answer once, whole, when it is done"
+                   " (for scripts), instead of token by token as it comes")
     _add_sampling_flags(p, max_tokens=128)
     _add_engine_flags(p)
 
@@ -267,7 +267,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpage", description="paged KV-cache LLM inference")
+    parser = SuggestingParser(prog="kvpage", description="paged KV-cache LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     _add_generate_parser(sub)
     _add_chat_parser(sub)

@@ -23,6 +23,13 @@ CASES = [
     (["generate", "hi", "--bogus"], "kvpage generate: error: unrecognized arguments: --bogus"),
     (["generate", "hi", "--temperature", "warm"], "kvpage generate: error: argument --temperature: invalid float"),
     (["bench", "--num-kv-blocks", "0"], "kvpage bench: error: argument --num-kv-blocks: must be at least 1"),
+    # A mistyped flag: a suggestion, and the words after it (its value and the prompt) are not blamed.
+    (["generate", "--max-tokns", "20", "What is the capital of France?"],
+     "kvpage generate: error: unrecognized arguments: --max-tokns (did you mean --max-tokens?)\n"),
+    (["chat", "--temprature=0"], "kvpage chat: error: unrecognized arguments: --temprature=0 (did you mean"
+                                 " --temperature?)\n"),
+    (["serve", "--prot", "8001"], "kvpage serve: error: unrecognized arguments: --prot (did you mean --port?)\n"),
+    (["generat", "hi"], "kvpage: error: argument command: invalid choice: 'generat' (choose from"),
 ]
 
 
@@ -32,7 +39,7 @@ def test_mistake_is_one_line_within_3_seconds(argv, message):
     run = subprocess.run([sys.executable, "-m", "kvpage", *argv], capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - start
     assert run.returncode == 2 and run.stdout == "", run
-    error_lines = [line for line in run.stderr.splitlines() if "error" in line]
+    error_lines = [line + "\n" for line in run.stderr.splitlines() if "error" in line]
     assert len(error_lines) == 1 and error_lines[0].startswith(message), run.stderr
     assert "Traceback" not in run.stderr
     assert elapsed < 3.0, f"{elapsed:.1f} s"
@@ -44,6 +51,12 @@ def test_mistake_is_found_before_torch_loads(argv):
     code = f"import sys; from kvpage.cli import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.stdout.split() == ["2", "False"], run
+
+
+def test_mistyped_subcommand_is_suggested(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generat", "hi"])
+    assert capsys.readouterr().err.rstrip().endswith("(did you mean generate?)")
 
 
 def test_unknown_flag_shows_the_subcommands_usage(capsys):
@@ -58,13 +71,13 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return action.choices
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "demo", "bench", "plan"])
+@pytest.mark.parametrize("command", ["generate", "chat", "demo", "bench", "plan", "serve"])
 def test_help_shows_every_default(command):
     parser = _subparsers(cli.build_parser())[command]
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     text = parser.format_help()
     for action in options:
-        flag = action.option_strings[-1]
+        flag = action.option_strings[0]
         entry = text[text.index(f"  {flag}"):]
         entry = entry[:entry.index("\n  -", 1)] if "\n  -" in entry[1:] else entry
         assert "(default:" in entry, f"{command} {flag}: {entry}"

@@ -29,6 +29,35 @@ def test_cli_generate_answers_a_question_through_the_chat_template(llm, capsys, 
     assert "Paris" in out[len(prompt):]
 
 
+def test_cli_generate_streams_the_answer_as_it_comes(llm, capsys, monkeypatch):
+    """Each piece is printed in the step that made it (the first long before the last step), and the whole
+    is --no-stream's answer."""
+    from kvpage.commands import chat
+
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    steps, pieces, real_step = [], [], llm.llm_engine.step
+    monkeypatch.setattr(llm.llm_engine, "step", lambda: steps.append(1) or real_step())
+    monkeypatch.setattr(chat, "print", lambda text="", **kw: pieces.append((len(steps), text)), raising=False)
+    argv = ["generate", "What is the capital of France?", "--max-tokens", "16", "--temperature", "0"]
+    assert cli.main(argv) == 0
+    printed = [(step, text) for step, text in pieces if text]
+    assert len(printed) > 3 and printed[0][0] < len(steps) / 2, (printed, len(steps))
+    monkeypatch.undo()
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    assert cli.main(argv + ["--no-stream"]) == 0
+    assert "".join(text for _, text in printed).strip() == capsys.readouterr().out.strip()
+
+
+def test_cli_generate_refuses_a_too_long_prompt_before_the_model_loads(capsys, monkeypatch):
+    """In one line naming its length and the context, from the tokenizer and config.json alone."""
+    monkeypatch.setattr(cli, "_llm", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "--raw", "--max-model-len", "8", "one two three four five six seven eight nine"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvpage generate: error: the prompt has ") and "\n" not in err, err
+    assert err.endswith("tokens, more than the model's context of 8 (max_model_len)"), err
+
+
 def test_cli_bad_argument_is_an_error_not_a_crash(llm, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     assert cli.main(["generate", "hi", "--top-p", "2"]) == 2
@@ -95,7 +124,7 @@ def test_cli_repetition_penalty_reaches_the_sampling_params(llm, capsys, monkeyp
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: seen.append(params) or
                         type(llm).generate(llm, prompts, params, use_tqdm=use_tqdm))
-    argv = ["generate", "hi", "--raw", "--max-tokens", "2", "--temperature", "0", "--repetition-penalty", "1.3",
+    argv = ["generate", "hi", "--raw", "--no-stream", "--max-tokens", "2", "--temperature", "0", "--repetition-penalty", "1.3",
             "--presence-penalty", "0.5", "--frequency-penalty", "-0.25", "--min-p", "0.1"]
     assert cli.main(argv) == 0
     assert seen == [SamplingParams(temperature=0, max_tokens=2, repetition_penalty=1.3, presence_penalty=0.5,
@@ -119,6 +148,7 @@ def test_demo_answers_without_loops_then_sums_up(llm, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_llm", lambda args: llm)
     monkeypatch.setattr(demo, "summary_lines", lambda outs, *rest: outputs.extend(outs) or ["(summary)"])
     assert cli.main(["demo"]) == 0
+    assert "Processed prompts" in capsys.readouterr().err  # the progress bar while the batch runs
     assert len(outputs) == len(demo.DEMO_QUESTIONS) and "Paris" in outputs[0].outputs[0].text
     loops = {q: o.outputs[0].text for q, o in zip(demo.DEMO_QUESTIONS, outputs)
              if _longest_repeat(o.outputs[0].token_ids) > 2}

@@ -105,16 +105,16 @@ def _command(line: str, conversation: Conversation) -> bool:
     return True
 
 
-def stream_reply(engine, request_id: str, start: float) -> Reply:
-    """Print one queued request's reply as it grows; Ctrl-C ends it early (the request is aborted, its
-    blocks freed) and what was shown so far is the reply."""
+def stream_reply(engine, request_id: str, start: float, strip: bool = False) -> Reply:
+    """Print one queued request's reply as it grows (strip: without its leading whitespace); Ctrl-C ends
+    it early (the request is aborted, its blocks freed) and what was shown so far is the reply."""
     shown, last = "", None
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id != request_id:
                     continue
-                reply = out.outputs[0].text
+                reply = out.outputs[0].text.lstrip() if strip else out.outputs[0].text
                 print(reply[len(shown):], end="", flush=True)
                 shown, last = reply, out
     except KeyboardInterrupt:

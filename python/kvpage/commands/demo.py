@@ -27,9 +27,9 @@ NEXT_STEPS = [
 def run_demo(llm, params, questions=DEMO_QUESTIONS) -> list:
     conversations = [[{"role": "user", "content": q}] for q in questions]
     print(f"kvpage demo: {len(questions)} questions in one batch, greedy, repetition_penalty"
-          f" {params.repetition_penalty:g}, up to {params.max_tokens} tokens each\n")
+          f" {params.repetition_penalty:g}, up to {params.max_tokens} tokens each\n", flush=True)
     start = time.perf_counter()
-    outputs = llm.chat(conversations, params, use_tqdm=False)
+    outputs = llm.chat(conversations, params, use_tqdm=True)  # a progress bar on stderr while the batch runs
     elapsed = time.perf_counter() - start
     for q, out in zip(questions, outputs):
         completion = out.outputs[0]

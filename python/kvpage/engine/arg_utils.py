@@ -1,0 +1,112 @@
+"""Every engine option declared once (vLLM's EngineArgs pattern): name, type, default and help, from which
+the flags of `kvpage serve / generate / chat / bench / demo` and their `--help` are generated.
+
+Pure Python (no torch): the command line checks its flags with it before the model loads. The values are
+checked again, with the messages users of `LLM(...)` get, by LLM itself."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+# The scheduler's budgets where LLM(...) is given None.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def positive_int(text: str) -> int:
+    """argparse type: checked at parse time, so the error names the flag and shows the command's usage."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One LLM(...) keyword. type: the command line's parser for it (bool: a switch); a help whose default
+    is not the value itself (None: something chosen later) says it in words, "(default: ...)"."""
+    name: str
+    type: object
+    default: object
+    help: str
+    choices: tuple | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+ENGINE_OPTIONS = (
+    EngineOption("model", str, None, "a local HF model directory; nothing is downloaded (default: the embedded"
+                 " SmolLM2-135M-Instruct)"),
+    EngineOption("block_size", positive_int, 16, "tokens per KV block (a power of two up to 256)"),
+    EngineOption("num_kv_blocks", positive_int, None, "KV-cache blocks (default: what the memory budget holds:"
+                 " 1 GiB on a CPU, half the free memory on a GPU)"),
+    EngineOption("enable_prefix_caching", bool, True, "reuse the KV blocks of a prompt prefix computed before"),
+    EngineOption("max_num_batched_tokens", positive_int, None,
+                 f"tokens one step may compute (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"),
+    EngineOption("max_num_seqs", positive_int, None,
+                 f"sequences one step may run (default: {DEFAULT_MAX_NUM_SEQS})"),
+    EngineOption("max_model_len", positive_int, None, "context limit, prompt + output, at most the model's"
+                 " (default: the model's max_position_embeddings)"),
+    EngineOption("preemption_mode", str, None, "how a preempted sequence gives back its blocks (default: per"
+                 " victim, whichever the measured cost model says is cheaper)", ("swap", "recompute")),
+    EngineOption("swap_space_gib", non_negative_float, None, "host memory for swapped-out KV blocks, GiB"
+                 " (default: 0.5)"),
+    EngineOption("dtype", str, "auto", "the model's dtype (auto: as its weights are stored)",
+                 ("auto", "float32", "float16", "bfloat16")),
+    EngineOption("kv_cache_dtype", str, "auto", "fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32;"
+                 " bfloat16 / float16: 2x (CPU, float32 model); neither is token-identical",
+                 ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16")),
+    EngineOption("weight_dtype", str, "auto", "bfloat16 / float16: the weights rounded to and stored in 16 bits,"
+                 " computed in float32 (CPU, float32 model): half the bytes a decode step streams",
+                 ("auto", "bfloat16", "float16")),
+    EngineOption("matmul_precision", str, "highest", "medium: the linear layers compute with bf16 dot products"
+                 " where the CPU has AVX512-BF16 (weights and inputs rounded to bf16), not token-identical",
+                 ("highest", "medium")),
+    EngineOption("enforce_eager", bool, False, "no CUDA graphs for decode steps (GPU only; the CPU always runs"
+                 " eagerly)"),
+    EngineOption("tensor_parallel_size", positive_int, 1, "processes splitting each layer's heads (one per GPU;"
+                 " on a CPU, the cores shared out)"),
+    EngineOption("decode_context_parallel_size", positive_int, 1, "ranks sharing KV heads split each sequence's"
+                 " positions instead (divides the TP size)"),
+    EngineOption("dcp_kv_cache_interleave_size", positive_int, 1, "consecutive positions kept on one DCP rank"
+                 " (divides --block-size)"),
+    EngineOption("max_logprobs", int, 20, "the most logprobs a request may ask for (-1: no cap)"),
+    EngineOption("seed", int, 0, "the engine's sampling seed: the same workload gives the same tokens"),
+)
+OPTIONS = {option.name: option for option in ENGINE_OPTIONS}
+# What LLM(...) takes when a keyword is left out.
+ENGINE_DEFAULTS = {option.name: option.default for option in ENGINE_OPTIONS}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The engine's flags on a command's parser (the options named in skip left out: a command whose own
+    flag has that name, or serve's positional MODEL)."""
+    options = [option for option in ENGINE_OPTIONS if option.name not in skip]
+    parser.set_defaults(engine_options=tuple(option.name for option in options))
+    for option in options:
+        if option.type is bool:
+            action = argparse.BooleanOptionalAction if option.default else "store_true"
+            parser.add_argument(option.flag, action=action, default=option.default, help=option.help)
+        else:
+            parser.add_argument(option.flag, type=option.type, default=option.default, choices=option.choices,
+                                help=option.help)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...)'s keywords from a parsed command line: the engine options add_engine_args gave its command."""
+    return {name: getattr(args, name) for name in args.engine_options}
