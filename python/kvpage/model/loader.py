@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -91,6 +92,10 @@ def default_model_dir() -> Path:
     gguf = default_gguf_path()
     dest = cache_dir()
     if not _is_complete(dest):
+        # Said once, as it happens: the conversion takes about half a minute and writes ~0.5 GB.
+        print(f"kvpage: first use: converting the default model's {gguf.stat().st_size / 2**20:.0f} MiB GGUF"
+              f" ({DEFAULT_MODEL_PACKAGE} wheel) to float32 safetensors (about 0.5 GiB) in {dest}; once, about"
+              f" 30 s", file=sys.stderr, flush=True)
         _convert_gguf(gguf, dest)
     return dest
 
