@@ -34,15 +34,19 @@ class GreedyRun:
 def run_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, *,
                arrivals: list[int] | None = None, token_budget: int | None = None,
                enable_prefix_caching: bool = False, forks: dict[int, int] | None = None,
-               swap_out: dict[int, int] | None = None) -> GreedyRun:
+               swap_out: dict[int, int] | None = None, poison_free_blocks: bool = False) -> GreedyRun:
     """Greedy decoding of every prompt; outputs in prompt order, then forked children in fork order.
+
+    poison_free_blocks: after every step, NaN into every device block no sequence holds (without prefix
+    caching), among them those a window group dropped: a kernel that read one would show.
 
     forks {seq_id: k}: after its first token, seq_id forks k children sharing its blocks (copy-on-write).
     swap_out {step: seq_id}: that sequence is swapped to the host at that step and back two steps later;
     the device blocks it left free are poisoned with NaN, so a swap-in that did not copy back shows.
     """
+    # The runner's KV-cache groups: with window groups the block manager drops the blocks that left a window.
     bm = BlockManager(runner.num_kv_blocks, runner.block_size, num_host_blocks=runner.num_host_blocks,
-                      enable_prefix_caching=enable_prefix_caching)
+                      enable_prefix_caching=enable_prefix_caching, kv_cache_layout=runner.layout)
     seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
     arrivals = list(arrivals or [0] * len(prompts))
     forks, swap_out = forks or {}, swap_out or {}
@@ -81,7 +85,17 @@ def run_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: in
             if len(out) == max_new_tokens:
                 bm.free(seq)
                 done.add(seq.seq_id)
+        if poison_free_blocks:
+            _poison_free(runner, bm)
     return run
+
+
+def _poison_free(runner: ModelRunner, bm: BlockManager) -> None:
+    assert not bm.enable_prefix_caching, "cached blocks are free but still meant to be read"
+    free = [b for b, refs in enumerate(bm.device.ref_counts) if not refs]
+    for key_cache, value_cache in runner.kv_cache_pairs:
+        key_cache[free] = float("nan")
+        value_cache[free] = float("nan")
 
 
 def _swap(bm, seqs, step, swap_out, swapped, done, batch) -> None:
@@ -103,7 +117,7 @@ def _poison(runner: ModelRunner, bm: BlockManager, swapped_out) -> None:
     for device_block, _ in swapped_out:
         if bm.device.ref_counts[device_block] or bm.enable_prefix_caching:
             continue
-        for key_cache, value_cache in runner.kv_caches:
+        for key_cache, value_cache in runner.kv_cache_pairs:
             key_cache[device_block] = float("nan")
             value_cache[device_block] = float("nan")
 
@@ -129,8 +143,10 @@ def _schedule(bm: BlockManager, seq: Sequence, budget: int, copies: list) -> Seq
         n = min(seq.num_uncomputed_tokens, budget)
         copies += bm.append_slots(seq, n)
     start = seq.num_computed_tokens
-    return SequenceInput(seq.token_ids[start:start + n], start, list(seq.block_table),
-                         bm.slot_mapping(seq, start, start + n), do_sample=start + n == len(seq.token_ids))
+    slot_mappings = bm.slot_mappings(seq, start, start + n)
+    return SequenceInput(seq.token_ids[start:start + n], start, list(seq.block_table), slot_mappings[0],
+                         do_sample=start + n == len(seq.token_ids),
+                         block_tables=[list(t) for t in seq.block_tables], slot_mappings=slot_mappings)
 
 
 def _record_shape(run: GreedyRun, batch: ModelInput) -> None:
