@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.core.kv_cache_groups import KVCacheLayout, num_blocks_per_group, num_blocks_per_seq
+
 from .device import Device
 from .model import ModelShape
 
@@ -20,7 +22,26 @@ def kv_bytes_per_token(model: ModelShape, dtype_bytes: int = 2) -> int:
 
 
 def kv_bytes_per_block(model: ModelShape, block_size: int, dtype_bytes: int = 2) -> int:
-    return block_size * kv_bytes_per_token(model, dtype_bytes)
+    """Bytes one block id takes: K and V of block_size tokens over the layers of one KV-cache group (every
+    layer for a model without windows; group_size layers of a hybrid one)."""
+    return block_size * 2 * model.kv_cache_layout.group_size * model.num_kv_heads * model.head_dim * dtype_bytes
+
+
+def seq_blocks(model: ModelShape, num_tokens: int, block_size: int, max_step_tokens: int = 1) -> int:
+    """Block ids one sequence of num_tokens holds at most, over all KV-cache groups, computing up to
+    max_step_tokens per step (1: decoding; kvpage.core.num_blocks_per_seq, the engine's own count)."""
+    check_positive("block_size", block_size)
+    return num_blocks_per_seq(model.kv_cache_layout, num_tokens, block_size, max_step_tokens)
+
+
+def expected_paged_blocks(layout: KVCacheLayout, mean_len: float, block_size: int) -> float:
+    """Block ids per decoding sequence under paging, on average: a full group holds expected_paged_tokens,
+    a window group at most the blocks its window spans (fewer while the sequence is shorter)."""
+    full = expected_paged_tokens(mean_len, block_size) / block_size
+    # Past the longest window, each window group holds the most it ever does: its window's blocks.
+    longest = max((w for w in layout.sliding_windows if w is not None), default=0) + block_size
+    steady = num_blocks_per_group(layout, longest, block_size)
+    return sum(full if w is None else min(full, n) for w, n in zip(layout.sliding_windows, steady))
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
@@ -53,12 +74,12 @@ def expected_paged_tokens(mean_len: float, block_size: int) -> float:
 class Capacity:
     kv_budget_bytes: float
     bytes_per_token: int
-    budget_tokens: int
-    budget_blocks: int
+    budget_tokens: int  # of every layer's KV: the pool's bytes over kv_bytes_per_token, in whole blocks
+    budget_blocks: int  # block ids (one KV-cache group's layers each)
     context_len: int
     mean_len: float
     seqs_reserved: int  # each sequence holds context_len slots
-    seqs_paged: int  # each holds its mean_len tokens in whole blocks
+    seqs_paged: int  # each holds its mean_len tokens in whole blocks (a window group: only its window's)
     reserved_waste: float  # fraction of reserved slots never written, at mean_len
     paged_waste: float  # fraction of paged slots never written (half a block per sequence)
 
@@ -88,14 +109,14 @@ def capacity(model: ModelShape, device: Device, context_len: int, mean_len: floa
         raise ValueError(f"mean_len must be in (0, context_len={context_len}], got {mean_len!r}")
     budget = kv_budget_bytes(model, device, dtype_bytes, memory_utilization)
     per_token = kv_bytes_per_token(model, dtype_bytes)
-    blocks = int(budget // (per_token * block_size))
-    tokens = blocks * block_size
+    tokens = int(budget // (per_token * block_size)) * block_size
+    blocks = int(budget // kv_bytes_per_block(model, block_size, dtype_bytes))
     reserve = blocks_per_sequence(context_len, block_size) * block_size
     paged = expected_paged_tokens(mean_len, block_size)
     return Capacity(kv_budget_bytes=budget, bytes_per_token=per_token, budget_tokens=tokens, budget_blocks=blocks,
                     context_len=context_len, mean_len=mean_len, seqs_reserved=tokens // reserve,
-                    seqs_paged=int(tokens // paged), reserved_waste=1 - mean_len / reserve,
-                    paged_waste=1 - mean_len / paged)
+                    seqs_paged=int(blocks // expected_paged_blocks(model.kv_cache_layout, mean_len, block_size)),
+                    reserved_waste=1 - mean_len / reserve, paged_waste=1 - mean_len / paged)
 
 
 def check_positive(name: str, value) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+
+from kvpage.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
+    # Each layer's sliding window (None: full attention); () for a model without windows (every layer full).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -31,6 +36,15 @@ class ModelShape:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows must name each of the {self.num_layers} layers, got {len(self.layer_windows)}")
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The KV-cache groups the engine lays the cache out in (kvpage.core.kv_cache_groups): one group of
+        every layer without windows; with them, equal groups of full and window layers (a block id is
+        group_size layers' block, and a window group keeps only the blocks its window still reads)."""
+        return kv_cache_layout(self.layer_windows or [None] * self.num_layers)
 
     @property
     def q_dim(self) -> int:
@@ -87,7 +101,25 @@ PRESETS: dict[str, ModelShape] = {
     "gemma-2b": ModelShape("gemma-2b", num_layers=18, hidden_size=2048, num_heads=8, num_kv_heads=1,
                            head_dim=256, intermediate_size=16384, vocab_size=256000,
                            tie_word_embeddings=True, max_position_embeddings=8192),
+    # google/gemma-3-27b-it's text config: five sliding-window layers (1,024 tokens) per full-attention layer
+    # (layer l is full where (l + 1) % 6 == 0); its GeGLU MLP has Llama's three matrices.
+    "gemma-3-27b": ModelShape("gemma-3-27b", num_layers=62, hidden_size=5376, num_heads=32, num_kv_heads=16,
+                              head_dim=128, intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True,
+                              max_position_embeddings=131072,
+                              layer_windows=tuple(None if (l + 1) % 6 == 0 else 1024 for l in range(62))),
 }
+
+
+def _layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's window as the engine decides it (engine.model_config.layer_sliding_windows, imported only
+    for a config that has a window: it loads torch); () without one."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    if not get("sliding_window"):
+        return ()
+    from kvpage.engine.model_config import layer_sliding_windows
+
+    windows = tuple(layer_sliding_windows(SimpleNamespace(**config) if isinstance(config, dict) else config))
+    return windows if any(w is not None for w in windows) else ()
 
 
 def from_hf_config(config, name: str | None = None) -> ModelShape:
@@ -105,11 +137,12 @@ def from_hf_config(config, name: str | None = None) -> ModelShape:
         head_dim=get("head_dim") or get("hidden_size") // heads,
         intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        max_position_embeddings=get("max_position_embeddings"))
+        max_position_embeddings=get("max_position_embeddings"), layer_windows=_layer_windows(config))
 
 
 def get_model(name_or_path) -> ModelShape:
-    """A preset by name ("llama-3-8b", "smollm2-135m", "gemma-2b"), a local HF model directory, or a ModelShape."""
+    """A preset by name ("llama-3-8b", "smollm2-135m", "gemma-2b", "gemma-3-27b"), a local HF model directory,
+    or a ModelShape."""
     if isinstance(name_or_path, ModelShape):
         return name_or_path
     key = str(name_or_path).lower()

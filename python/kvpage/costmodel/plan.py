@@ -68,23 +68,26 @@ def plan_text(model: ModelShape, device: Device, w: Workload = Workload()) -> st
              f" memory), {_seconds(device.transfer_overhead_s)} per transfer", ""]
 
     per_token = memory.kv_bytes_per_token(model, dtype)
+    # One block table per KV-cache group (one group without windows).
+    table_bytes = memory.block_table_bytes(w.context_len, w.block_size) * model.kv_cache_layout.num_groups
+    seq_bytes = (memory.seq_blocks(model, w.context_len, w.block_size) * memory.kv_bytes_per_block(model, w.block_size, dtype)
+                 if model.kv_cache_layout.is_hybrid else per_token * w.context_len)
     cap = memory.capacity(model, device, w.context_len, w.mean_len, w.block_size, dtype, w.memory_utilization)
     lines += ["== Memory (paging vs reservation) ==",
               f"KV bytes per token                         {per_token} B ({_bytes(per_token)})",
               f"KV bytes per block of {w.block_size}                    "
               f"{_bytes(memory.kv_bytes_per_block(model, w.block_size, dtype))}",
               f"blocks per sequence at {w.context_len} tokens            "
-              f"{memory.blocks_per_sequence(w.context_len, w.block_size)}",
-              f"block-table bytes per sequence (int32)     "
-              f"{memory.block_table_bytes(w.context_len, w.block_size)} B"
-              f" ({_bytes(memory.block_table_bytes(w.context_len, w.block_size))})",
-              f"KV per sequence at {w.context_len} tokens              {_bytes(per_token * w.context_len)}",
+              f"{memory.seq_blocks(model, w.context_len, w.block_size)}",
+              f"block-table bytes per sequence (int32)     {table_bytes} B ({_bytes(table_bytes)})",
+              f"KV per sequence at {w.context_len} tokens              {_bytes(seq_bytes)}",
               f"KV budget ({w.memory_utilization:.0%} of memory - weights)       "
               f"{_bytes(cap.kv_budget_bytes)} = {cap.budget_blocks} blocks = {cap.budget_tokens} tokens",
               f"sequences that fit, reserving {w.context_len}       {cap.seqs_reserved}"
               f"  (waste {cap.reserved_waste:.1%} at a mean length of {w.mean_len:g})",
               f"sequences that fit, paged (mean {w.mean_len:g})      {cap.seqs_paged}"
-              f"  (waste {cap.paged_waste:.1%}: half a block each; {cap.paging_gain:.1f}x more)", ""]
+              f"  (waste {cap.paged_waste:.1%}: half a block each; {cap.paging_gain:.1f}x more)",
+              *hybrid_lines(model, cap, w, dtype), ""]
 
     sr = SwapRecompute(model, device, dtype)
     lines += ["== Preemption: swap vs recompute ==",
@@ -138,6 +141,27 @@ def plan_text(model: ModelShape, device: Device, w: Workload = Workload()) -> st
                  f" {at_fork.blocks_unshared} duplicated")
     lines += ["", *parallel_lines(parallel, device, w, dtype)]
     return "\n".join(lines)
+
+
+def hybrid_lines(model: ModelShape, cap: memory.Capacity, w: Workload, dtype: int) -> list[str]:
+    """A model with sliding-window layers (kvpage's hybrid KV cache): its KV-cache groups, and the blocks and
+    sequences of context_len tokens against the same model with every layer full. None for other models."""
+    layout = model.kv_cache_layout
+    if not layout.is_hybrid:
+        return []
+    full, windowed = [g for g in layout.groups if g.sliding_window is None], [g for g in layout.groups if g.sliding_window]
+    hybrid_blocks = memory.seq_blocks(model, w.context_len, w.block_size)
+    # The same bytes in this pool's block ids (group_size layers each) with every layer full: each layer keeps
+    # every block of the sequence.
+    all_full_blocks = memory.blocks_per_sequence(w.context_len, w.block_size) * model.num_layers / layout.group_size
+    windows = sorted({g.sliding_window for g in windowed})
+    return [f"KV-cache groups (hybrid)                   {len(full)} full + {len(windowed)} window"
+            f" ({', '.join(map(str, windows))}) of {layout.group_size} layers; a block id = {layout.group_size}"
+            f" layers' block ({_bytes(memory.kv_bytes_per_block(model, w.block_size, dtype))})",
+            f"blocks per sequence at {w.context_len}, every layer full {all_full_blocks:.0f}"
+            f"  (hybrid: {hybrid_blocks}, {hybrid_blocks / all_full_blocks:.1%})",
+            f"sequences of {w.context_len} tokens that fit        {cap.budget_blocks // hybrid_blocks} hybrid,"
+            f" {int(cap.budget_blocks // all_full_blocks)} with every layer full"]
 
 
 def parallel_lines(pc: ParallelConfig, device: Device, w: Workload, dtype: int) -> list[str]:
