@@ -2,6 +2,8 @@
 
     PYTHONPATH=python python bench/block_manager.py [--num-seqs 10000] [--decode-steps 128]
     python bench/block_manager.py --quick    # 200 sequences, 8 decode steps, best of 1: a smoke run
+    python bench/block_manager.py --layout gemma3   # the same on Gemma 3's hybrid layout (6 KV-cache groups)
+    python bench/block_manager.py --capacity [--context 16384]   # how many sequences a pool holds, hybrid vs full
 
 Pure Python and CPU only. Prints a table of microseconds per token for each phase, with prefix
 caching on and off, and writes bench/results/block_manager.json and block_manager.png ($OUT/ if set). The target
@@ -19,9 +21,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from kvpage.core import BlockManager, Sequence  # noqa: E402
+from kvpage.core import BlockManager, Sequence, kv_cache_layout, num_blocks_per_seq  # noqa: E402
 
 TARGET_US_PER_TOKEN = 2.0
+# Gemma 3's layer pattern (five sliding-window layers of 1,024 per full-attention layer), one period of it:
+# per block id, the same bytes as the whole model's layout (which repeats this period).
+LAYOUTS = {"full": None, "gemma3": kv_cache_layout([1024] * 5 + [None])}
 RESULTS_DIR = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -33,10 +38,12 @@ def make_prompts(num_seqs: int, seed: int) -> list[list[int]]:
             for _ in range(num_seqs)]
 
 
-def run_once(prompts: list[list[int]], decode_steps: int, block_size: int, prefix_caching: bool) -> dict:
+def run_once(prompts: list[list[int]], decode_steps: int, block_size: int, prefix_caching: bool,
+             layout=None) -> dict:
     max_tokens = max(map(len, prompts)) + decode_steps
-    num_blocks = len(prompts) * (max_tokens // block_size + 2)
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    groups = 1 if layout is None else layout.num_groups
+    num_blocks = len(prompts) * (max_tokens // block_size + 2) * groups
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, kv_cache_layout=layout)
     seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
     prompt_tokens = sum(map(len, prompts))
     phases = {}
@@ -78,6 +85,43 @@ def run_once(prompts: list[list[int]], decode_steps: int, block_size: int, prefi
     }
 
 
+def fill(layout, num_blocks: int, context: int, block_size: int, chunk: int) -> int:
+    """Sequences of `context` tokens the pool holds at once: admit one after another, each prefilled in
+    chunks of `chunk` tokens (as the scheduler's token budget would), until the next chunk finds no room."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0, kv_cache_layout=layout)
+    held = 0
+    while True:
+        seq = Sequence(held, [held] * context)
+        if not bm.can_allocate(seq, min(chunk, context)):
+            return held
+        bm.allocate(seq, min(chunk, context))
+        bm.mark_computed(seq, min(chunk, context))
+        while seq.num_computed_tokens < context:
+            n = min(chunk, context - seq.num_computed_tokens)
+            if not bm.can_append_slots(seq, n):
+                return held
+            bm.append_slots(seq, n)
+            bm.mark_computed(seq, n)
+        held += 1
+
+
+def capacity(context: int, block_size: int, chunk: int, full_seqs: int) -> dict:
+    """Gemma 3's hybrid layout against the same model with every layer full, in one pool of the same
+    bytes (room for `full_seqs` all-full sequences): block ids per sequence and sequences held."""
+    hybrid = LAYOUTS["gemma3"]
+    all_full = kv_cache_layout([None] * hybrid.num_layers)
+    # Bytes in layer-blocks (one layer's block_size tokens): a block id holds group_size of them.
+    full_ids = num_blocks_per_seq(all_full, context, block_size)
+    pool_bytes = full_seqs * full_ids * all_full.group_size
+    per_seq = {"hybrid": num_blocks_per_seq(hybrid, context, block_size) * hybrid.group_size,
+               "full": full_ids * all_full.group_size}
+    held = {"hybrid": fill(hybrid, pool_bytes // hybrid.group_size, context, block_size, chunk),
+            "full": fill(all_full, pool_bytes // all_full.group_size, context, block_size, chunk)}
+    return {"context": context, "layer_blocks_per_seq": per_seq, "pool_layer_blocks": pool_bytes,
+            "seqs_held": held, "blocks_ratio": per_seq["hybrid"] / per_seq["full"],
+            "capacity_ratio": held["hybrid"] / held["full"]}
+
+
 def best_of(runs: list[dict]) -> dict:
     best = runs[0]
     for run in runs[1:]:
@@ -115,18 +159,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="200 sequences, 8 decode steps, best of 1 (smoke run)")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="full",
+                        help="KV-cache layout: full (one group) or gemma3 (hybrid, 6 groups)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="instead: fill one pool with --context-token sequences, gemma3 against all-full")
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--chunk", type=int, default=2048, help="--capacity: prefill chunk (the token budget)")
+    parser.add_argument("--full-seqs", type=int, default=8, help="--capacity: the pool holds this many all-full")
     args = parser.parse_args()
     if args.quick:
         args.num_seqs, args.decode_steps, args.repeats = 200, 8, 1
+    if args.capacity:
+        report_capacity(args)
+        return
 
     prompts = make_prompts(args.num_seqs, args.seed)
     results = {}
     for label, on in (("prefix caching on", True), ("prefix caching off", False)):
-        results[label] = best_of([run_once(prompts, args.decode_steps, args.block_size, on)
+        results[label] = best_of([run_once(prompts, args.decode_steps, args.block_size, on, LAYOUTS[args.layout])
                                   for _ in range(args.repeats)])
 
     print(f"{args.num_seqs} sequences, {sum(map(len, prompts))} prompt tokens, {args.decode_steps} decode steps,"
-          f" block size {args.block_size}; best of {args.repeats}")
+          f" block size {args.block_size}, layout {args.layout}; best of {args.repeats}")
     print(f"{'phase':<32}" + "".join(f"{label:>22}" for label in results))
     for name in results["prefix caching on"]["phases"]:
         cells = [f"{r['phases'][name]['us_per_token']:>17.3f} us/t" if name in r["phases"] else f"{'-':>22}"
@@ -137,7 +191,7 @@ def main() -> None:
     print(f"amortised per-token bookkeeping: {worst:.3f} us (target < {TARGET_US_PER_TOKEN} us):"
           f" {'PASS' if worst < TARGET_US_PER_TOKEN else 'MISS'}")
 
-    name = "block_manager_quick" if args.quick else "block_manager"
+    name = ("block_manager_quick" if args.quick else "block_manager") + ("" if args.layout == "full" else f"_{args.layout}")
     os.makedirs(RESULTS_DIR, exist_ok=True)
     with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
         json.dump({"config": vars(args), "machine": platform.processor() or platform.machine(),
@@ -145,6 +199,22 @@ def main() -> None:
                    "results": results}, f, indent=2)
     plot(results, os.path.join(RESULTS_DIR, f"{name}.png"))
     print(f"wrote {RESULTS_DIR}/{name}.json and {name}.png")
+
+
+def report_capacity(args) -> None:
+    result = capacity(args.context, args.block_size, args.chunk, args.full_seqs)
+    per, held = result["layer_blocks_per_seq"], result["seqs_held"]
+    print(f"context {args.context} tokens, block size {args.block_size}, prefill chunk {args.chunk}; one pool of"
+          f" {result['pool_layer_blocks']} layer-blocks (room for {args.full_seqs} all-full sequences)")
+    print(f"{'layout':<10}{'layer-blocks/seq':>18}{'sequences held':>16}")
+    for name in ("full", "hybrid"):
+        print(f"{name:<10}{per[name]:>18}{held[name]:>16}")
+    print(f"blocks per sequence: {result['blocks_ratio']:.1%} of all-full (target <= 25%);"
+          f" sequences held: {result['capacity_ratio']:.2f}x (target >= 4x)")
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, "block_manager_capacity.json"), "w") as f:
+        json.dump({"config": vars(args), "results": result}, f, indent=2)
+    print(f"wrote {RESULTS_DIR}/block_manager_capacity.json")
 
 
 if __name__ == "__main__":

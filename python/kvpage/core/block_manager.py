@@ -77,6 +77,10 @@ class BlockManager:
         self.num_groups = len(self.sliding_windows)
         self._window_groups = tuple((g, w) for g, w in enumerate(self.sliding_windows) if w is not None)
         self._full_groups = tuple(g for g, w in enumerate(self.sliding_windows) if w is None)
+        by_window: dict[int, list[int]] = {}
+        for g, w in self._window_groups:
+            by_window.setdefault(w, []).append(g)
+        self._groups_by_window = tuple((w, tuple(gs)) for w, gs in by_window.items())
         self.block_size = block_size
         self.device = BlockPool(num_blocks, enable_prefix_caching)
         # Which group's tables each device block was drawn for (stats only; one group needs none).
@@ -313,9 +317,14 @@ class BlockManager:
         first, last = start // bs, (end - 1) // bs
         refs = self._refs
         # Decode fast path: the next slot is in the last block and nobody else points at it.
-        if first == last < len(table) and refs[table[first]] == 1 and (
-                self.num_groups == 1 or all(refs[t[first]] == 1 for t in seq.block_tables)):
-            return []
+        if first == last < len(table) and refs[table[first]] == 1:
+            if self.num_groups == 1:
+                return []
+            for t in seq.block_tables:
+                if refs[t[first]] != 1:
+                    break
+            else:
+                return []
         pool = self.device
         needed = self.num_blocks_to_append([(seq, num_new_tokens)])
         if needed > pool.num_free_blocks:
@@ -358,8 +367,19 @@ class BlockManager:
             for i in range(old // bs, new // bs):
                 self._cache_block(seq, i)
         # After indexing: a block leaving a window stays a prefix hit (parked in the LRU).
-        for g, window in self._window_groups:
-            self._release_before(seq.block_tables[g], first_kept_block(new, window, bs))
+        if self._window_groups:
+            self._release_windows(seq, new)
+
+    def _release_windows(self, seq: Sequence, num_computed: int) -> None:
+        """Free what left each window group's window, given the next query starts at num_computed.
+        Per token: one division per distinct window and one look per group when nothing leaves."""
+        tables, bs = seq.block_tables, self.block_size
+        for window, groups in self._groups_by_window:
+            stop = (num_computed - window + 1) // bs  # first_kept_block, inline: <= 0 before the window moves
+            if stop > 0:
+                for g in groups:
+                    if tables[g][stop - 1] != NULL_BLOCK:
+                        self._release_before(tables[g], stop)
 
     def _release_before(self, table: list[int], stop: int) -> None:
         """Free a window group's blocks before logical block `stop`, putting NULL_BLOCK in their place;
@@ -508,11 +528,10 @@ class BlockManager:
             if block_id == NULL_BLOCK or cache.contains_block(block_id):
                 continue
             if key is None:
-                key = self._block_key(seq, i)
+                key = self._block_key(seq, i)  # memoises the chain up to block i - 1
                 if len(hashes) == i:  # the usual case, a block that just filled: pack and hash it once
                     hashes.append(key.digest())
-            chain_hash = self._block_hash(seq, i)
-            if cache.insert(block_id, group_key(chain_hash, g), key._replace(group=g) if g else key):
+            if cache.insert(block_id, group_key(hashes[i], g), key._replace(group=g) if g else key):
                 self._indexed_this_step.append(block_id)
 
     # -- swap ----------------------------------------------------------------------------------
