@@ -122,7 +122,9 @@ def run_hf_generate_batch(model, tokenizer, workload) -> dict:
     own max_new_tokens, through the manager that generate_batch itself drives."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=None,
+    # eos_token_id=-1: HF's own "no end of sequence" (None makes it warn, then set -1), so each request runs
+    # to its length as kvpage's ignore_eos requests do.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
                               pad_token_id=tokenizer.eos_token_id)
     inputs = [tokenizer.encode(p) for p in workload.prompts]
     start = time.perf_counter()
@@ -198,8 +200,12 @@ def main(argv=None) -> dict:
         gc.collect()
     if not args.no_peers and not args.no_hf:
         hf, tok = _hf_model(args.model)
-        for name, fn in (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static)):
-            res[name] = _run_peer(fn, hf, tok, workload)
+        baselines = (("hf_generate_batch", run_hf_generate_batch), ("hf_static_generate", run_hf_static))
+        hf_workload = workload
+        if args.quick:  # a smoke run: static generate on 2 requests of 4 tokens (generate_batch's set-up alone
+            baselines, hf_workload = baselines[1:], make_workload(num_requests=2, min_out=4, max_out=4)  # ~20 s)
+        for name, fn in baselines:
+            res[name] = _run_peer(fn, hf, tok, hf_workload)
     res["bf16"], res["matmul_precision"] = args.bf16, args.matmul_precision
     return report(res, workload, args.quick)
 
