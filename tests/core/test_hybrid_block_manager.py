@@ -5,7 +5,7 @@ q >= c (the next query's position), i.e. p > c - W."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvpage.core import (NULL_BLOCK, BlockManager, ScheduledSequence, Sequence, check_block_manager,
+from kvpage.core import (NULL_BLOCK, BlockManager, InvariantError, ScheduledSequence, Sequence, check_block_manager,
                          kv_cache_layout, num_blocks_for, num_blocks_per_group, num_blocks_per_seq)
 from kvpage.core.hashing import group_key
 
@@ -230,3 +230,22 @@ def test_in_step_hits_take_only_the_window():
     bm.mark_computed(a, 25)  # a frees what left its window; b still holds its share
     check_block_manager(bm, [a, b])
     assert all(bm.device.ref_counts[x] >= 1 for t in b.block_tables for x in t if x != NULL_BLOCK)
+
+
+def test_the_invariant_check_catches_a_window_group_holding_too_much_or_too_little(prefill):
+    bm = BlockManager(40, 4, kv_cache_layout=FULL_AND_WINDOW)
+    seq = prefill(bm, 0, list(range(22)))  # next query at 22, W=6: blocks from (22 - 5) // 4 = 4 on
+    check_block_manager(bm, [seq])
+    window_table = seq.block_tables[1]
+    kept = window_table[4]
+    window_table[4] = NULL_BLOCK  # a block the window still reads, dropped (its ref count kept)
+    with pytest.raises(InvariantError):
+        check_block_manager(bm, [seq])
+    window_table[4] = kept
+    stale = bm.device.allocate()
+    window_table[3] = stale  # a block before the window, still held
+    with pytest.raises(InvariantError, match="NULL_BLOCK entries"):
+        check_block_manager(bm, [seq])
+    window_table[3] = NULL_BLOCK
+    bm.device.decref(stale)
+    check_block_manager(bm, [seq])
