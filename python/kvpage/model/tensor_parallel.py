@@ -207,7 +207,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the embedding; a token outside them contributes zeros, so the all-reduce sum
-    is exactly the one owning rank's row."""
+    is exactly the one owning rank's row. A scaled embedding's factor (Gemma's embed_scale, sqrt(hidden))
+    multiplies each rank's rows, zeros included, so the sum is still exactly the owning rank's scaled row."""
 
     def __init__(self, embedding: nn.Embedding, rows: range, group=None) -> None:
         super().__init__()
@@ -215,11 +216,26 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.stop = rows.start, rows.stop
         self.group = group
         self.embedding_dim = embedding.embedding_dim
+        self.embed_scale = embedding_scale(embedding)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         mine = (input_ids >= self.start) & (input_ids < self.stop)
         local = F.embedding(torch.where(mine, input_ids - self.start, 0), self.weight)
+        if self.embed_scale is not None:  # as Gemma's ScaledWordEmbedding: in the weight's dtype
+            local = local * self.embed_scale.to(local.dtype)
         return _all_reduce(local * mine.unsqueeze(-1).to(local.dtype), self.group)
+
+
+def embedding_scale(embedding: nn.Module) -> torch.Tensor | None:
+    """The factor a HF ScaledWordEmbedding multiplies its rows by (None for a plain nn.Embedding); ValueError
+    for any other embedding module, whose forward a vocabulary shard would not reproduce."""
+    if type(embedding) is nn.Embedding:
+        return None
+    scale = getattr(embedding, "embed_scale", None)
+    if isinstance(embedding, nn.Embedding) and scale is not None:
+        return torch.as_tensor(scale).detach().clone()
+    raise ValueError(f"tensor_parallel_size > 1 cannot split the input embedding {type(embedding).__name__}: it is"
+                     f" no nn.Embedding, nor one that only scales its rows (embed_scale)")
 
 
 class ParallelLMHead(nn.Module):
@@ -290,6 +306,7 @@ def _layers(model) -> list[nn.Module]:
     if not ok or not isinstance(getattr(model.config, "intermediate_size", None), int):
         raise ValueError(f"tensor_parallel_size > 1 supports HF Llama-family models (layers with"
                          f" self_attn.q/k/v/o_proj and mlp.gate/up/down_proj); {type(model).__name__} is not one")
+    embedding_scale(model.get_input_embeddings())  # ValueError for an embedding a shard cannot reproduce
     head_dim = head_dim_of(model.config)
     for layer in layers:
         for name in ("q_norm", "k_norm"):  # per head (Qwen3) splits with the heads; over all heads (OLMo 2) not
