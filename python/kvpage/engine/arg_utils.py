@@ -66,7 +66,7 @@ ENGINE_OPTIONS = (
                  " victim, whichever the measured cost model says is cheaper)", ("swap", "recompute")),
     EngineOption("swap_space_gib", non_negative_float, None, "host memory for swapped-out KV blocks, GiB"
                  " (default: 0.5)"),
-    EngineOption("dtype", str, "auto", "the model's dtype (auto: as its weights are stored)",
+    EngineOption("dtype", str, None, "the model's dtype (default: auto, as its weights are stored)",
                  ("auto", "float32", "float16", "bfloat16")),
     EngineOption("kv_cache_dtype", str, "auto", "fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32;"
                  " bfloat16 / float16: 2x (CPU, float32 model); neither is token-identical",
@@ -89,7 +89,7 @@ ENGINE_OPTIONS = (
     EngineOption("seed", int, 0, "the engine's sampling seed: the same workload gives the same tokens"),
 )
 OPTIONS = {option.name: option for option in ENGINE_OPTIONS}
-# What LLM(...) takes when a keyword is left out.
+# What LLM(...) takes when a keyword is left out (tests/cli/test_engine_args.py holds LLM's signature to it).
 ENGINE_DEFAULTS = {option.name: option.default for option in ENGINE_OPTIONS}
 
 
