@@ -82,9 +82,8 @@ class BlockManager:
             by_window.setdefault(w, []).append(g)
         self._groups_by_window = tuple((w, tuple(gs)) for w, gs in by_window.items())
         self.block_size = block_size
-        self.device = BlockPool(num_blocks, enable_prefix_caching)
-        # Which group's tables each device block was drawn for (stats only; one group needs none).
-        self._block_group = [0] * num_blocks if self.num_groups > 1 else None
+        # Each device block is tagged with the group whose tables it was drawn for (per-group stats).
+        self.device = BlockPool(num_blocks, enable_prefix_caching, num_tags=self.num_groups)
         self.host = BlockPool(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Shortcuts for the per-token path (the pool never replaces these objects).
@@ -277,10 +276,7 @@ class BlockManager:
 
     def _draw(self, group: int) -> int:
         """A fresh device block for one of `group`'s tables."""
-        block_id = self.device.allocate()
-        if self._block_group is not None:
-            self._block_group[block_id] = group
-        return block_id
+        return self.device.allocate(group)
 
     # -- running sequences ---------------------------------------------------------------------
 
@@ -437,19 +433,10 @@ class BlockManager:
         """Make both pools agree with the block tables of `seqs` (every sequence holding blocks): the
         tables are the truth, ref counts and free lists are derived from them."""
         seqs = list(seqs)
-        self.device.rebuild(Counter(b for seq in seqs if not seq.swapped for b in live_blocks(seq)))
+        on_device = [seq for seq in seqs if not seq.swapped]
+        groups = {b: g for seq in on_device for g, table in enumerate(seq.block_tables) for b in table if b != NULL_BLOCK}
+        self.device.rebuild(Counter(b for seq in on_device for b in live_blocks(seq)), groups)
         self.host.rebuild(Counter(b for seq in seqs if seq.swapped for b in live_blocks(seq)))
-        self._note_groups(seq for seq in seqs if not seq.swapped)
-
-    def _note_groups(self, seqs) -> None:
-        """Record which group's table holds each device block of `seqs` (for per-group stats)."""
-        if self._block_group is None:
-            return
-        for seq in seqs:
-            for g, table in enumerate(seq.block_tables):
-                for block_id in table:
-                    if block_id != NULL_BLOCK:
-                        self._block_group[block_id] = g
 
     def forget_contents(self, block_ids) -> None:
         """Device blocks a failed step was to fill by swap-in or copy may hold anything: never a prefix hit."""
@@ -569,7 +556,6 @@ class BlockManager:
         if needed > self.device.num_free_blocks:
             raise RuntimeError(f"cannot swap in: needs {needed} device blocks, {self.device.num_free_blocks} free")
         mapping = move_tables(returning, self.host, self.device, self._device_hit)
-        self._note_groups(returning)
         bs = self.block_size
         for seq in returning:
             seq.swapped = False
@@ -600,14 +586,5 @@ class BlockManager:
             num_copy_on_write=self._num_cow,
             num_swapped_out_blocks=self._swapped_out,
             num_swapped_in_blocks=self._swapped_in,
-            num_used_blocks_per_group=self._used_per_group(),
+            num_used_blocks_per_group=device.num_used_per_tag,
         )
-
-    def _used_per_group(self) -> tuple[int, ...]:
-        if self._block_group is None:
-            return (self.device.num_used,)
-        counts = [0] * self.num_groups
-        for block_id, refs in enumerate(self._refs):
-            if refs:
-                counts[self._block_group[block_id]] += 1
-        return tuple(counts)

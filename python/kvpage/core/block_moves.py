@@ -30,7 +30,7 @@ def move_tables(seqs: list[Sequence], src: BlockPool, dst: BlockPool, find_exist
                     dst.incref(new)
                     new_of[block_id] = new
                 else:
-                    new = new_of[block_id] = dst.allocate()
+                    new = new_of[block_id] = dst.allocate(g)  # tagged with its group where dst keeps tags
                     copies.append((block_id, new))
                 table.append(new)
             tables.append(table)

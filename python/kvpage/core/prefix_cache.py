@@ -35,6 +35,9 @@ class PrefixCache:
         self._hash_of_block: dict[int, bytes] = {}
         self._key_of_block: dict[int, BlockKey] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # [kv tier] on_evict(block_hash, key, block_id), where a KV offload tier is configured (kvpage.kv_offload):
+        # an evicted block's bytes are still intact until the step that reuses it runs, and go to the tier.
+        self.on_evict = None
 
     def __len__(self) -> int:
         return len(self._block_by_hash)
@@ -79,8 +82,11 @@ class PrefixCache:
     def evict(self) -> int:
         """Reclaim the least recently freed indexed block; it stops being a hit."""
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_by_hash[self._hash_of_block.pop(block_id)]
-        del self._key_of_block[block_id]
+        block_hash = self._hash_of_block.pop(block_id)
+        del self._block_by_hash[block_hash]
+        key = self._key_of_block.pop(block_id)
+        if self.on_evict is not None:  # [kv tier]
+            self.on_evict(block_hash, key, block_id)
         return block_id
 
     def remove(self, block_id: int) -> None:

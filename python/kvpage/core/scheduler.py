@@ -70,6 +70,9 @@ class Scheduler:
         self.num_finished = 0
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+        # [kv tier] a KV connector (kvpage.kv_offload; the engine sets it where a tier is configured): prompt
+        # blocks past the prefix cache's hit that it holds are loaded into fresh blocks instead of computed.
+        self.kv_connector = None
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -198,6 +201,8 @@ class Scheduler:
         self._finished_ids = []
         self._scheduled, self._scheduled_seqs = set(), set()
         self.bm.begin_step()
+        if self.kv_connector is not None:  # [kv tier]
+            self.kv_connector.begin_step()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_decodes(out, budget)
         self._schedule_running_prefills(out, budget)
@@ -205,6 +210,8 @@ class Scheduler:
             self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
+        if self.kv_connector is not None:  # [kv tier]
+            out.kv_connector_meta = self.kv_connector.build_connector_meta()
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -286,15 +293,30 @@ class Scheduler:
         """Admit a block-less sequence with a chunk of the budget, past its prefix-cache hits."""
         use_cache = not request.prompt_logits_pending
         hit = self.bm.lookup_prefix(seq, use_cache)
-        n = min(seq.num_tokens - request.holds_back_last_token(seq) - hit, budget.tokens)
-        if not self.bm.can_allocate(seq, n, use_cache):
+        ext = 0
+        if self.kv_connector is not None and use_cache and not out.preempted:  # [kv tier]
+            ext = self.kv_connector.get_num_new_matched_tokens(seq, hit)
+        n = min(seq.num_tokens - request.holds_back_last_token(seq) - hit - ext, budget.tokens)
+        if not self.bm.can_allocate(seq, ext + n, use_cache):
             return False
-        cached = self.bm.allocate(seq, n, use_cache)
+        cached = self.bm.allocate(seq, ext + n, use_cache)
+        if ext:  # [kv tier]
+            cached += self._load_external(request, seq, cached, ext)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = cached
         if n:  # 0: a beam whose cached prefix is all it lacks but its last token (the next decode's)
             self._record(request, seq, n, out, budget)
         return True
+
+    def _load_external(self, request: Request, seq: Sequence, start: int, ext: int) -> int:
+        """[kv tier] The connector's `ext` tokens after `start` load into the blocks just allocated for them,
+        and count as computed (indexed now, as swap_in indexes its blocks; the step loads them before its
+        forward pass, and discard_step distrusts them as it does swap-in destinations)."""
+        bs = self.bm.block_size
+        blocks = seq.block_table[start // bs:(start + ext) // bs]
+        self.kv_connector.update_state_after_alloc(seq, blocks, is_recompute=request.num_cached_tokens >= 0)
+        self.bm.mark_computed(seq, ext)
+        return ext
 
     def _append(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         out.blocks_to_copy.extend(self.bm.append_slots(seq, n))
@@ -478,6 +500,7 @@ class Scheduler:
         self._pending = self._snapshot = None
         self._finished_ids = out.finished_request_ids + self._finished_ids  # the runner may not have seen them
         untrusted = {dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy}
+        untrusted.update(_loaded_blocks(out))  # [kv tier]
         self.bm.forget_contents(untrusted)
         readers = self.bm.in_step_readers()  # hit blocks this very step was to write
         victims = [r for r in self.running
@@ -495,6 +518,7 @@ class Scheduler:
         bs = self.bm.block_size
         written = {slot for s in out.scheduled for slots in s.slot_mappings for slot in slots if slot >= 0}
         written.update(b * bs + i for _, b in out.blocks_to_swap_in + out.blocks_to_copy for i in range(bs))
+        written.update(b * bs + i for b in _loaded_blocks(out) for i in range(bs))  # [kv tier]
         host_written = {b for _, b in out.blocks_to_swap_out}
         self.bm.forget_contents({slot // bs for slot in written})
         victims = [r for r in self.running if any(_reads_written(seq, written, bs) for seq in r.live_seqs())]
@@ -568,3 +592,9 @@ def _reads_written(seq: Sequence, written: set[int], block_size: int) -> bool:
     """Whether a slot holding one of seq's computed tokens (in any group's table) is among `written`."""
     return any(table[p // block_size] != NULL_BLOCK and table[p // block_size] * block_size + p % block_size in written
                for table in seq.block_tables for p in range(seq.num_computed_tokens))
+
+
+def _loaded_blocks(out: SchedulerOutput) -> list[int]:
+    """[kv tier] The device blocks a KV connector loads in step `out` (none without one)."""
+    meta = out.kv_connector_meta
+    return meta.load_block_ids() if meta is not None else []

@@ -94,6 +94,9 @@ class SchedulerOutput:
     blocks_to_copy: BlockPairs = field(default_factory=list)  # (src, dst) copy-on-write, device
     preempted: list[str] = field(default_factory=list)  # request ids, in preemption order
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+    # [kv tier] a KV connector's loads and stores for this step (kvpage.kv_offload.KVConnectorMeta), run before
+    # everything above; None without a connector or with nothing to move.
+    kv_connector_meta: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -113,4 +116,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+                    or self.kv_connector_meta is not None)
