@@ -1,19 +1,23 @@
-"""The FastAPI app: OpenAI's routes under /v1 (behind --api-key where one is set), plus /health,
-/metrics, /tokenize and /detokenize, over one EngineLoop that the app's lifespan starts and stops."""
+"""The FastAPI app: OpenAI's routes under /v1, plus /health, /metrics, /tokenize and /detokenize, over one
+EngineLoop that the app's lifespan starts and stops. With an API key every route but /health needs it
+(/metrics too, unless metrics_without_auth); the key and the body-size limit are checked by pure ASGI
+middlewares, before any body is read or parsed. Tokenizing, chat templating and detokenizing run on a
+small thread pool, never on the event loop."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .engine_loop import EngineLoop
 from .errors import RequestError, install_error_handlers
 from .metrics import ServerMetrics
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, default_max_request_body_bytes
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import ServingContext
 from .serving_chat import chat_prompt, create_chat_completion
@@ -61,19 +65,8 @@ async def _respond(answer, stream: bool, request: Request) -> Response:
     return JSONResponse(body) if body is not None else Response(status_code=499)  # nobody reads it
 
 
-def _api_key_check(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise RequestError("incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
-                               status=401, code="invalid_api_key")
-    return check
-
-
-def _openai_routes(ctx: ServingContext, api_key: str | None) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+def _openai_routes(ctx: ServingContext) -> APIRouter:
+    router = APIRouter(prefix="/v1")
     created = int(time.time())
 
     @router.post("/completions")
@@ -105,9 +98,10 @@ def _tokenizer_routes(ctx: ServingContext, vocab_size: int | None) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt(ctx, body.messages).token_ids
+            tokens = (await ctx.in_pool(chat_prompt, ctx, body.messages)).token_ids
         else:
-            tokens = list(tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            encode = tokenizer().encode
+            tokens = list(await ctx.in_pool(lambda: encode(body.prompt, add_special_tokens=body.add_special_tokens)))
         return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
 
     @router.post("/detokenize")
@@ -116,18 +110,22 @@ def _tokenizer_routes(ctx: ServingContext, vocab_size: int | None) -> APIRouter:
         bad = [t for t in body.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
             raise RequestError(f"tokens: {bad[0]} is no token id of this model (vocab_size={vocab_size})", "tokens")
-        return {"prompt": tokenizer().decode(body.tokens)}
+        return {"prompt": await ctx.in_pool(tokenizer().decode, body.tokens)}
     return router
 
 
 def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None,
-              max_waiting_requests: int | None = None) -> FastAPI:
+              max_waiting_requests: int | None = None, max_request_body_bytes: int | None = None,
+              metrics_without_auth: bool = False, tokenizer_workers: int = 2) -> FastAPI:
     """The server over a kvpage.LLM: its engine then belongs to the app's engine loop (no other
-    caller may step it while the app runs)."""
+    caller may step it while the app runs). max_request_body_bytes: a larger body is answered 413
+    (default: default_max_request_body_bytes of max_model_len). tokenizer_workers: the threads that
+    tokenize, template and detokenize (few: they share the CPU with the engine's steps)."""
     engine = llm.llm_engine
     engine_loop = EngineLoop(engine, max_waiting_requests)
+    pool = ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="kvpage-tokenizer")
     ctx = ServingContext(engine_loop, llm.tokenizer, served_model_name, engine.config.max_model_len,
-                         ServerMetrics(engine_loop, served_model_name))
+                         ServerMetrics(engine_loop, served_model_name), llm.default_sampling_fields, pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,14 +134,15 @@ def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None
             yield
         finally:
             engine_loop.shutdown()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvpage", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(_openai_routes(ctx, api_key))
+    app.include_router(_openai_routes(ctx))
     app.include_router(_tokenizer_routes(ctx, getattr(engine.runner, "vocab_size", None)))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health():
         if not engine_loop.is_alive:
             raise RequestError("the engine loop is not running", status=503, code="engine_dead")
@@ -152,4 +151,12 @@ def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None
     @app.get("/metrics")
     async def metrics():
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # The last added runs first: the key is checked before a byte of the body is read.
+    if max_request_body_bytes is None:
+        max_request_body_bytes = default_max_request_body_bytes(engine.config.max_model_len)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key is not None:
+        open_paths = frozenset({"/health", "/metrics"} if metrics_without_auth else {"/health"})
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     return app

@@ -1,6 +1,7 @@
 """Every failure as OpenAI's error JSON: bad requests (400, naming the field), a wrong API key (401),
 a full waiting queue (503), a failed engine step (500); FastAPI's 422 for a body that does not
-validate becomes a 400 like the rest."""
+validate becomes a 400 like the rest, and Starlette's own answers (404, 405, a body it cannot read)
+lose their {"detail": ...} bodies too."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineStepError, QueueFull
 from .protocol import error_body
@@ -37,13 +39,31 @@ def field_named_in(message: str, fields, aliases: dict[str, str] | None = None) 
     return None
 
 
+# The names pydantic gives a union's branches in an error's location: not fields.
+_BRANCH = re.compile(r"^(str|int|float|bool|list|dict)(\[.*\])?$|\[")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    errors = exc.errors()
+    # Our own checks (value_error) say more than a union's "not a string" for each branch it tried.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _BRANCH.search(str(part))]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     param = ".".join(loc) or None
-    return (f"{param}: {first.get('msg')}" if param else f"request body: {first.get('msg')}"), param
+    msg = str(first.get("msg")).removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else f"request body: {msg}"), param
+
+
+def _http_message(request: Request, exc: HTTPException) -> str:
+    if exc.status_code == 404:
+        return f"no route {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow")
+        return f"{request.method} is not allowed on {request.url.path}" + (f" (allowed: {allowed})" if allowed else "")
+    if exc.status_code == 400:  # FastAPI's "There was an error parsing the body": not UTF-8, ...
+        return f"the request body could not be read: {exc.detail}"
+    return str(exc.detail)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -51,6 +71,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
         return error_response(message, 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        response = error_response(_http_message(request, exc), exc.status_code)
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(RequestError)
     async def _refused(request: Request, exc: RequestError):

@@ -6,9 +6,10 @@ the field rather than a silent coercion. Unknown fields are ignored, as OpenAI a
 """
 from __future__ import annotations
 
+import re
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # OpenAI's limits where it has them (vLLM's max_logprobs default is 20).
 MAX_LOGPROBS = 20
@@ -17,6 +18,28 @@ MAX_N = 128
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _utf8_text(cls, value):
+        """Every string a tokenizer, a template or a hash may meet must be UTF-8: JSON's "\\ud800" escape
+        gives a lone surrogate, which would fail deep inside (a 500) rather than as a 400 naming the field."""
+        _check_utf8(value)
+        return value
+
+
+def _check_utf8(value, where: str = "") -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text{where} is not valid UTF-8: a lone surrogate {value[e.start:e.end]!r} at index"
+                             f" {e.start}") from None
+    elif isinstance(value, (list, dict)):
+        for i, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(i, str):
+                _check_utf8(i, f"{where} (a key)")
+            _check_utf8(item, f"{where}[{i!r}]")
 
 
 class StreamOptions(_Strict):
@@ -46,6 +69,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
@@ -95,8 +119,17 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+def logit_bias_token_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids as strings: ASCII digits only (int() would also take "1_0",
+    " 7" and non-ASCII digits such as "\u0663")."""
+    for key in bias:
+        if not re.fullmatch(r"[0-9]{1,18}", key):
+            raise ValueError(f"logit_bias keys must be token ids written in ASCII digits, got {key!r}")
+    return {int(key): value for key, value in bias.items()}
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error JSON."""
-    kind = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-            503: "service_unavailable"}.get(status, "server_error")
+    kind = "invalid_request_error" if 400 <= status < 500 else ("service_unavailable" if status == 503
+                                                                 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -3,19 +3,22 @@ running its prompts through the engine loop, per-choice stream deltas, usage and
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from kvpage.engine.generation_defaults import fill_defaults
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
 from kvpage.engine.sampling_params import SamplingParams
 
 from .engine_loop import EngineLoop, EngineStepError
 from .errors import RequestError, field_named_in
 from .metrics import ServerMetrics
-from .protocol import error_body
+from .protocol import error_body, logit_bias_token_ids
 
 
 @dataclass
@@ -25,27 +28,68 @@ class ServingContext:
     model_name: str
     max_model_len: int | None
     metrics: ServerMetrics
+    # The model's generation_config.json sampling defaults, for the fields a request leaves out (vLLM's).
+    sampling_defaults: dict = field(default_factory=dict)
+    # Where tokenizing, chat templating and detokenizing run: never on the event loop, where a 2 MB prompt
+    # (a second of tokenizing) would stall every stream and /health. HF's fast tokenizers release the GIL.
+    tokenizer_pool: Executor | None = None
+
+    async def in_pool(self, fn, *args):
+        """fn(*args) on the tokenizer pool (its exceptions, RequestError included, raise here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise RequestError(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
                                code="model_not_found")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_field: str,
-                     max_tokens_field: str = "max_tokens") -> int:
-        """max_tokens, or the room left in the context where it is None (vLLM's default); a prompt
-        that leaves no room, or max_tokens past it, is refused naming the field."""
+    def max_tokens(self, num_prompt: int, sent: int | None, prompt_field: str, max_tokens_field: str = "max_tokens",
+                   n: int = 1, default: int | None = None) -> int:
+        """The request's max_tokens. Sent: checked against the room the context leaves (a 400 naming the
+        field). Not sent: `default` (OpenAI's 16 for completions; None: vLLM's, the room left), lowered
+        to what the context and the KV cache can hold for n samples, so that the client is never refused
+        over a value it did not send. A prompt of exactly max_model_len tokens is taken, as LLM.generate
+        takes it: one token is sampled from it (finish reason "length")."""
         limit = self.max_model_len
         if limit is None:
-            return 16 if max_tokens is None else max_tokens
-        if num_prompt >= limit:
+            return sent if sent is not None else (16 if default is None else default)
+        if num_prompt > limit:
             raise RequestError(f"{prompt_field} has {num_prompt} tokens; this model's maximum context length is"
-                               f" {limit} tokens, leaving no room to generate", prompt_field)
-        if max_tokens is not None and max_tokens > limit - num_prompt:
-            raise RequestError(f"{max_tokens_field}={max_tokens} is too large: this model's maximum context length"
-                               f" is {limit} tokens and the {prompt_field} has {num_prompt}, leaving"
-                               f" {limit - num_prompt}", max_tokens_field)
-        return limit - num_prompt if max_tokens is None else max_tokens
+                               f" {limit} tokens", prompt_field)
+        room = max(limit - num_prompt, 1)
+        if sent is not None:
+            if sent > room:
+                raise RequestError(f"{max_tokens_field}={sent} is too large: this model's maximum context length"
+                                   f" is {limit} tokens and the {prompt_field} has {num_prompt}, leaving {room}",
+                                   max_tokens_field)
+            return sent
+        return self._fitting_max_tokens(num_prompt, room if default is None else min(default, room), n, prompt_field)
+
+    def _fitting_max_tokens(self, num_prompt: int, want: int, n: int, prompt_field: str) -> int:
+        """The largest max_tokens <= want with which n samples fit the KV cache in the worst case (the
+        scheduler's own admission check, so a hybrid cache's windows count as the scheduler counts them)."""
+        scheduler = self.engine_loop.engine.scheduler
+
+        def fits(max_tokens: int) -> bool:
+            try:
+                scheduler._check_fits("", num_prompt, max_tokens, n)  # constants only: safe off the loop thread
+            except ValueError:
+                return False
+            return True
+
+        if fits(want):
+            return want
+        if not fits(1):
+            if n == 1:
+                raise RequestError(f"{prompt_field} has {num_prompt} tokens, more than this server's KV cache can"
+                                   " hold", prompt_field)
+            raise RequestError(f"n={n} samples of a {prompt_field} of {num_prompt} tokens do not fit this server's"
+                               f" KV cache even with one generated token each; send a smaller n", "n")
+        low, high = 1, want  # fits(low), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
 
 def new_id(prefix: str) -> str:
@@ -53,14 +97,14 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+                    max_tokens_field: str = "max_tokens", defaults: dict | None = None) -> SamplingParams:
     """The request's SamplingParams; SamplingParams' own checks name the field (400)."""
     if req.use_beam_search:
         raise RequestError("use_beam_search is not supported by this server", "use_beam_search")
     try:
-        bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias is not None else None
-    except ValueError:
-        raise RequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        bias = logit_bias_token_ids(req.logit_bias) if req.logit_bias is not None else None
+    except ValueError as e:
+        raise RequestError(str(e), "logit_bias") from None
     given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
@@ -68,9 +112,10 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, prompt_logprobs:
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                               seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, logit_bias=bias,
+                              allowed_token_ids=req.allowed_token_ids,
                               skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
-                              **{k: v for k, v in given.items() if v is not None})
+                              **fill_defaults(given, defaults or {}))
     except (ValueError, TypeError) as e:
         param = field_named_in(str(e), type(req).model_fields, {"max_tokens": max_tokens_field})
         raise RequestError(str(e) if param is None or param in str(e) else f"{param}: {e}", param) from None

@@ -16,28 +16,28 @@ from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, new
                       stream_holdback, submit, usage)
 
 
-def _content(message: ChatMessage) -> str:
+def _content(message: ChatMessage) -> str | None:
     if message.content is None or isinstance(message.content, str):
-        return message.content or ""
+        return message.content
     return "".join(part.text for part in message.content)
 
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> EnginePrompt:
     """The conversation as the chat template writes it, and its token ids (the template wrote the
-    special tokens already, so they are not added again)."""
+    special tokens already, so they are not added again). Slow for a long conversation: run it on
+    ctx's tokenizer pool."""
     tokenizer = ctx.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template: use /v1/completions", "messages")
     conversation = [{"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
                     for m in messages]
     try:
-        normalise_conversations(conversation)  # LLM.chat's checks: text that is not UTF-8 (lone surrogates), ...
-    except ValueError as e:
-        raise RequestError(str(e), "messages") from None
-    try:
+        # LLM.chat's checks and its template call: both doors take and refuse the same conversations (an
+        # assistant message without content is taken, as OpenAI takes it; a user's is refused).
+        [conversation] = normalise_conversations(conversation)
         text, token_ids = chat_template_prompt(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # a template's raise_exception (roles out of order, ...) is jinja's TemplateError
-        raise RequestError(f"messages: the chat template refused them: {e}", "messages") from None
+    except ValueError as e:  # chat_template_prompt's include the template's raise_exception (roles out of order)
+        raise RequestError(f"messages: {e}" if not str(e).startswith("messages") else str(e), "messages") from None
     return EnginePrompt(text, token_ids)
 
 
@@ -45,11 +45,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    prompt = await ctx.in_pool(chat_prompt, ctx, req.messages, req.add_generation_prompt)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = ctx.check_length(len(prompt.token_ids), getattr(req, name), "messages", name)
+    max_tokens = ctx.max_tokens(len(prompt.token_ids), getattr(req, name), "messages", name, n=req.n)
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                             max_tokens_field=name)
+                             max_tokens_field=name, defaults=ctx.sampling_defaults)
     return ChatAnswer(ctx, req, await submit(ctx, new_id("chatcmpl"), [prompt], params, req, "messages"), params)
 
 

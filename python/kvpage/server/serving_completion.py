@@ -16,6 +16,7 @@ from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, new
 
 
 def completion_prompts(ctx: ServingContext, prompt) -> list[EnginePrompt]:
+    """The prompts as text and token ids (tokenizing: run it on ctx's tokenizer pool)."""
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         prompt = [prompt]
     if not prompt:
@@ -38,10 +39,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Comp
     ctx.check_model(req.model)
     if req.suffix is not None:
         raise RequestError("suffix is not supported", "suffix")
-    prompts = completion_prompts(ctx, req.prompt)
-    max_tokens = min(ctx.check_length(len(p.token_ids), req.max_tokens, "prompt") for p in prompts)
+    prompts = await ctx.in_pool(completion_prompts, ctx, req.prompt)
+    # OpenAI's default of 16 where the client sent none: lowered to what fits rather than refused.
+    sent = req.max_tokens if "max_tokens" in req.model_fields_set else None
+    max_tokens = min(ctx.max_tokens(len(p.token_ids), sent, "prompt", n=req.n, default=req.max_tokens)
+                     for p in prompts)
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    params = sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, defaults=ctx.sampling_defaults)
     return CompletionAnswer(ctx, req, await submit(ctx, new_id("cmpl"), prompts, params, req, "prompt"), params)
 
 
