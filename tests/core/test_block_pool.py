@@ -95,3 +95,20 @@ def test_a_pool_too_large_to_keep_is_refused(num_blocks, match, monkeypatch):
     monkeypatch.setattr(block_pool, "available_host_bytes", lambda: 2**34)  # 16 GiB free, whatever this machine has
     with pytest.raises(ValueError, match=match):
         BlockPool(num_blocks)
+
+
+def test_a_tagged_pool_counts_used_blocks_per_tag():
+    """A hybrid KV cache's pool: each block counts under the group (tag) it was allocated for, also
+    when a prefix hit revives it from the cache and after a rebuild from the tables."""
+    pool = BlockPool(4, enable_prefix_caching=True, num_tags=2)
+    a, b, c = pool.allocate(0), pool.allocate(1), pool.allocate(1)
+    assert pool.num_used_per_tag == (1, 2)
+    _index(pool, b, [7])
+    pool.decref(b)  # parked in the cache
+    assert pool.num_used_per_tag == (1, 1)
+    pool.incref(b)  # revived: a group-1 block again
+    pool.incref(a)
+    assert pool.num_used_per_tag == (1, 2)
+    pool.rebuild({a: 1, c: 1}, {a: 1, c: 0})  # the tables say: a is group 1's now, c group 0's, b unreferenced
+    assert pool.num_used_per_tag == (1, 1) and pool.num_used == 2
+    assert BlockPool(3).num_used_per_tag == (0,)  # untagged: just num_used
