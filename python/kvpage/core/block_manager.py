@@ -67,20 +67,7 @@ class BlockManager:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
-        if kv_cache_layout is None:
-            kv_cache_layout = FULL_ATTENTION_LAYOUT
-        if not isinstance(kv_cache_layout, KVCacheLayout) or not kv_cache_layout.groups:
-            raise ValueError(f"kv_cache_layout must be a KVCacheLayout (kv_cache_groups.kv_cache_layout) or None,"
-                             f" got {kv_cache_layout!r}")
-        self.kv_cache_layout = kv_cache_layout
-        self.sliding_windows = kv_cache_layout.sliding_windows
-        self.num_groups = len(self.sliding_windows)
-        self._window_groups = tuple((g, w) for g, w in enumerate(self.sliding_windows) if w is not None)
-        self._full_groups = tuple(g for g, w in enumerate(self.sliding_windows) if w is None)
-        by_window: dict[int, list[int]] = {}
-        for g, w in self._window_groups:
-            by_window.setdefault(w, []).append(g)
-        self._groups_by_window = tuple((w, tuple(gs)) for w, gs in by_window.items())
+        self._set_layout(FULL_ATTENTION_LAYOUT if kv_cache_layout is None else kv_cache_layout)
         self.block_size = block_size
         # Each device block is tagged with the group whose tables it was drawn for (per-group stats).
         self.device = BlockPool(num_blocks, enable_prefix_caching, num_tags=self.num_groups)
@@ -91,7 +78,7 @@ class BlockManager:
         self._cache = self.device.cache
         # Admission keeps this many blocks spare so running sequences can grow without preemption.
         self.watermark_blocks = int(watermark * num_blocks)
-        # This step's announced blocks: hash -> (block, key), and who hit them (see note_computing).
+        # This step's announced blocks: cache key -> (block, key), and who hit them (see note_computing).
         self._computing: dict[bytes, tuple[int, BlockKey]] = {}
         self._computing_blocks: set[int] = set()
         self._in_step_readers: set[int] = set()
@@ -101,6 +88,20 @@ class BlockManager:
         self._num_cow = 0
         self._swapped_out = 0
         self._swapped_in = 0
+
+    def _set_layout(self, layout: KVCacheLayout) -> None:
+        if not isinstance(layout, KVCacheLayout) or not layout.groups:
+            raise ValueError(f"kv_cache_layout must be a KVCacheLayout (kv_cache_groups.kv_cache_layout) or None,"
+                             f" got {layout!r}")
+        self.kv_cache_layout = layout
+        self.sliding_windows = layout.sliding_windows
+        self.num_groups = len(self.sliding_windows)
+        self._window_groups = tuple((g, w) for g, w in enumerate(self.sliding_windows) if w is not None)
+        self._full_groups = tuple(g for g, w in enumerate(self.sliding_windows) if w is None)
+        by_window: dict[int, list[int]] = {}  # groups sharing a window free at the same positions
+        for g, w in self._window_groups:
+            by_window.setdefault(w, []).append(g)
+        self._groups_by_window = tuple((w, tuple(gs)) for w, gs in by_window.items())
 
     @property
     def num_free_blocks(self) -> int:
