@@ -11,6 +11,7 @@ import torch
 from kvpage.core.context_parallel import check_context_parallel, check_dcp_sizes
 from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
+from kvpage.kv_offload import check_offloading_options
 
 from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from .generation_defaults import describe as describe_sampling_defaults
@@ -40,7 +41,8 @@ class LLM:
                  tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
                  matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None,
                  enforce_eager: bool = False, decode_context_parallel_size: int = 1,
-                 dcp_kv_cache_interleave_size: int = 1) -> None:
+                 dcp_kv_cache_interleave_size: int = 1, kv_offloading_size: float | None = None,
+                 kv_offloading_dir: str | None = None) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -60,6 +62,10 @@ class LLM:
         the D ranks holding the same KV heads each keep every D-th run of dcp_kv_cache_interleave_size
         positions instead of a copy of all of them: D times the tokens in the same per-rank KV budget
         (kvpage.core.context_parallel; block_size stays a rank's block, the scheduler's is D times it).
+        kv_offloading_size / kv_offloading_dir (vLLM's names; kvpage.kv_offload): a second KV tier behind the
+        prefix cache, taking the blocks its LRU evicts and giving them back (loaded, not recomputed) to later
+        prompts: files under kv_offloading_dir (kv_offloading_size GiB of them, default 4), which a new
+        process with the same model finds warm; without a directory, kv_offloading_size GiB of host memory.
         Calls from several threads are safe: they run one at a time."""
         # Everything checkable is checked before the model loads (about 20 s for the default model).
         if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
@@ -80,6 +86,7 @@ class LLM:
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size)
+        check_offloading_options(kv_offloading_size, kv_offloading_dir)  # [kv tier]
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)
@@ -144,7 +151,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=max_num_seqs, max_model_len=context_limit, preemption_mode=preemption_mode,
             eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs,
-            kv_cache_layout=self.kv_cache_layout))
+            kv_cache_layout=self.kv_cache_layout, kv_offloading_size=kv_offloading_size,
+            kv_offloading_dir=kv_offloading_dir))
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
                     " pool %d blocks", num_kv_blocks, block_size * decode_context_parallel_size,
                     num_kv_blocks * block_size * decode_context_parallel_size,

@@ -50,6 +50,10 @@ class EngineConfig:
     # The KV-cache groups (kvpage.core.KVCacheLayout; the runner's): the block manager keeps one block table
     # per group. None: one group of all layers.
     kv_cache_layout: KVCacheLayout | None = None
+    # [kv tier] a KV offload tier behind the prefix cache (kvpage.kv_offload.attach_offloading): a disk tier under
+    # kv_offloading_dir, else host memory; kv_offloading_size in GiB. Both None: no tier.
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | None = None
 
 
 @dataclass
@@ -93,6 +97,11 @@ class LLMEngine:
                                    max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                    preemption_mode=config.preemption_mode, cost_model=self.cost_model)
         self.sampler = Sampler(config.seed)
+        self.kv_connector = None
+        if config.kv_offloading_size is not None or config.kv_offloading_dir is not None:  # [kv tier]
+            from kvpage.kv_offload import attach_offloading
+            self.runner, self.kv_connector = attach_offloading(runner, tokenizer, self.block_manager, self.scheduler,
+                                                               config.kv_offloading_size, config.kv_offloading_dir)
         self._states: dict[str, _RequestState] = {}
         self._token_text: dict[int, str] = {}  # decoded_token of logprobs, one tokenizer call per id
         self.num_steps = 0
@@ -523,7 +532,17 @@ class LLMEngine:
             "num_swapped": s.num_swapped, "num_finished": s.num_finished, "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
         } | cost_model_stats(self.cost_model, self.config.block_size, self.scheduler.preemption_mode,
-                             b.num_host_blocks, self._mean_request_tokens(s.num_finished))
+                             b.num_host_blocks, self._mean_request_tokens(s.num_finished)) | self._kv_tier_stats()
+
+    def _kv_tier_stats(self) -> dict:
+        """[kv tier] The tier's counters; prefix_cache_hit_tokens / _rate then count tier hits too (a
+        prompt's blocks found in the pool or in the tier, on its first admission)."""
+        if self.kv_connector is None:
+            return {}
+        b = self.scheduler.stats().blocks
+        hits = b.prefix_cache_hit_tokens + self.kv_connector.hit_tokens
+        q = b.prefix_cache_queried_tokens
+        return self.kv_connector.stats() | {"prefix_cache_hit_tokens": hits, "prefix_cache_hit_rate": hits / q if q else 0.0}
 
     def _mean_request_tokens(self, num_finished: int) -> float | None:
         num_requests = num_finished + len(self._states)

@@ -1,0 +1,163 @@
+"""The KV connector seam (modelled on vLLM's KVConnectorBase_V1), scheduler side. Pure Python, no torch.
+
+Scheduler side, called by kvpage.core.scheduler once per admission and step:
+  get_num_new_matched_tokens(seq, num_computed_tokens) -> int
+      how many more tokens, past the pool's own prefix hit, the connector can supply (whole blocks);
+  update_state_after_alloc(seq, blocks)
+      the fresh device blocks the block manager gave those tokens: what to load where;
+  on_evict(block_hash, key, block_id)
+      the pool's LRU reclaimed a cached block: its bytes (still intact until this step runs) should
+      be kept;
+  begin_step() / build_connector_meta()
+      the step's loads and stores, handed to the worker in SchedulerOutput.kv_connector_meta.
+Worker side (kv_offload.worker.KVOffloadWorker): start_load(loads), wait_for_load(), save(stores), run
+before the step's block moves and forward pass.
+
+The next connectors (another instance's blocks for disaggregated prefill, an external store) implement
+the same methods; the scheduler does not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpage.core.hashing import ROOT_HASH, pack_tokens
+from kvpage.core.prefix_cache import BlockKey
+from kvpage.core.sequence import Sequence
+
+
+@dataclass
+class KVConnectorMeta:
+    """One step's work for the worker: stores first (their device blocks may be reused by this very
+    step), then loads, then the step's own swaps, copies and forward pass."""
+
+    loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, payload)
+    stores: list[tuple[bytes, BlockKey, int]] = field(default_factory=list)  # (block hash, key, device block)
+
+    def load_block_ids(self) -> list[int]:
+        return [block_id for block_id, _ in self.loads]
+
+
+class KVConnectorBase:
+    """The seam; see the module docstring. A connector that never matches and keeps nothing."""
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        return 0
+
+    def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
+        pass
+
+    def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def build_connector_meta(self) -> KVConnectorMeta | None:
+        return None
+
+
+class OffloadingConnector(KVConnectorBase):
+    """A tier (kv_offload.tiers) behind the pool's prefix cache: evicted blocks are stored into it, and
+    a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
+
+    def __init__(self, tier, block_size: int) -> None:
+        self.tier = tier
+        self.block_size = block_size
+        # The payloads the last lookup of each sequence verified (read once, loaded after allocation).
+        self._matched: dict[int, tuple[int, list[bytes]]] = {}
+        self._loads: list[tuple[int, bytes]] = []
+        self._stores: list[tuple[bytes, BlockKey, int]] = []
+        self._storing: set[bytes] = set()
+        self.hit_tokens = 0  # first admissions only: a recompute after preemption is no cache hit
+        self.loaded_blocks = 0
+        self.loaded_bytes = 0
+        self.stored_blocks = 0  # handed to the tier (the tier's own stats say what it kept)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Whole blocks from num_computed_tokens on that the tier holds, verified, stopping at the first
+        miss and before the prompt's last token (which must run for its logits)."""
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0  # the pool's full hit: nothing past it
+        first = num_computed_tokens // bs
+        limit = (len(seq.token_ids) - 1) // bs
+        cached = self._matched.get(seq.seq_id)
+        payloads = list(cached[1]) if cached is not None and cached[0] == first else []
+        for i in range(first + len(payloads), limit):
+            key = block_key(seq, i, bs)
+            payload = self.tier.get(block_hash(seq, i, bs), key)
+            if payload is None:
+                break
+            payloads.append(payload)
+        payloads = payloads[:max(0, limit - first)]
+        if payloads:
+            if len(self._matched) > 8:  # only the queue's heads are looked up repeatedly
+                self._matched.clear()
+            self._matched[seq.seq_id] = (first, payloads)
+        else:
+            self._matched.pop(seq.seq_id, None)
+        return len(payloads) * bs
+
+    def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
+        """Load the matched blocks into `blocks` (the device blocks of those tokens, in order)."""
+        if not blocks:
+            return
+        _, payloads = self._matched.pop(seq.seq_id)
+        if len(payloads) < len(blocks):
+            raise RuntimeError(f"seq {seq.seq_id}: {len(blocks)} blocks to load, {len(payloads)} matched")
+        for block_id, payload in zip(blocks, payloads):
+            self._loads.append((block_id, payload))
+            self.loaded_bytes += len(payload)
+        self.loaded_blocks += len(blocks)
+        if not is_recompute:
+            self.hit_tokens += len(blocks) * self.block_size
+
+    def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
+        if key.group:
+            return  # hybrid layouts are refused; a group > 0 entry never reaches here
+        if self.tier.contains(block_hash):
+            self.tier.touch(block_hash)
+        elif block_hash not in self._storing:
+            self._storing.add(block_hash)
+            self._stores.append((block_hash, key, block_id))
+
+    def begin_step(self) -> None:
+        # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
+        # bytes are intact until a step runs, and the next step's meta carries them.
+        self._loads = []
+
+    def build_connector_meta(self) -> KVConnectorMeta | None:
+        if not self._loads and not self._stores:
+            return None
+        meta = KVConnectorMeta(self._loads, self._stores)
+        self.stored_blocks += len(self._stores)
+        self._loads, self._stores, self._storing = [], [], set()
+        return meta
+
+    def stats(self) -> dict:
+        t = self.tier.stats
+        return {
+            "kv_offload_tier": self.tier.name, "kv_offload_hit_tokens": self.hit_tokens,
+            "kv_offload_loaded_blocks": self.loaded_blocks, "kv_offload_loaded_bytes": self.loaded_bytes,
+            "kv_offload_stored_blocks": t.stored_blocks, "kv_offload_stored_bytes": t.stored_bytes,
+            "kv_offload_dropped_blocks": t.dropped_blocks, "kv_offload_evicted_blocks": t.evicted_blocks,
+            "kv_offload_rejected_blocks": t.rejected_blocks, "kv_offload_blocks": len(self.tier),
+            "kv_offload_bytes": self.tier.used_bytes, "kv_offload_capacity_bytes": self.tier.capacity_bytes,
+        }
+
+
+def block_key(seq: Sequence, i: int, block_size: int) -> BlockKey:
+    """Full block i's key as the block manager's prefix cache commits to it (group 0)."""
+    parent = block_hash(seq, i - 1, block_size) if i else ROOT_HASH
+    tokens = pack_tokens(seq.token_ids[i * block_size:(i + 1) * block_size])
+    return BlockKey(parent, tokens, seq.extra_keys)
+
+
+def block_hash(seq: Sequence, i: int, block_size: int) -> bytes:
+    """Full block i's chain hash, through the sequence's memo (the block manager's, which agrees)."""
+    hashes = seq.block_hashes
+    while len(hashes) <= i:
+        hashes.append(block_key(seq, len(hashes), block_size).digest())
+    return hashes[i]

@@ -1,0 +1,376 @@
+"""KV-cache tiers behind the device pool's prefix cache: host memory and disk. Pure Python, no torch.
+
+A tier maps a block's chain hash (hashing.hash_block: the block's tokens, extra keys and every block
+before it) to the block's K/V bytes ("payload": every layer's K and V of that block, laid out by the
+worker, kv_offload.worker). Each entry also keeps the block's full BlockKey; `get` hands bytes out only
+when the key the caller wants equals the stored one, as the prefix cache does, so a hash collision can
+never hand out someone else's KV. A full tier evicts its least recently used entry.
+
+The disk tier keeps one file per block, under a directory named by the model fingerprint (the model,
+weights, dtypes, block size, tokenizer and kvpage version: worker.model_fingerprint), so another model's
+files are never even looked at. A file is written to a temporary name, fsynced and renamed into place:
+a reader (this process or another sharing the directory) sees a whole block or none, and a crash
+leaves at most a temporary file, which is ignored (and removed once stale). There is no separate
+index to get out of step with the data: the files are the index (read at start-up, so a new process
+starts warm). Every read checks the header (magic, format version, fingerprint, block hash, full key),
+the length and a checksum of the payload; a file failing any check is skipped with one warning and
+removed, never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from kvpage.core.hashing import HASH_SIZE
+from kvpage.core.prefix_cache import BlockKey
+
+logger = logging.getLogger("kvpage")
+
+MAGIC = b"KVPAGE-KVBLOCK\x00\x01"  # 16 bytes; the last byte is the file format's version
+# fingerprint, block hash, parent hash, payload checksum (16 bytes each); token bytes, extra keys, payload lengths.
+_HEADER = struct.Struct(f"<16s{HASH_SIZE}s{HASH_SIZE}s{HASH_SIZE}s16sIIQ")
+SUFFIX = ".kvb"
+# A temporary file this old is a crashed writer's, not one being written.
+STALE_TMP_SECONDS = 600.0
+# Blocks waiting for the disk writer; past this a store is dropped (counted), never waited for.
+WRITE_QUEUE_BLOCKS = 256
+
+
+def _checksum(payload) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def _extra_bytes(key: BlockKey) -> bytes:
+    # The same repr hashing.hash_block commits to (stable for the types Sequence allows).
+    return repr(key.extra_keys).encode() if key.extra_keys else b""
+
+
+class TierStats:
+    """Counters of one tier (blocks and bytes; read by the engine's stats)."""
+
+    def __init__(self) -> None:
+        self.stored_blocks = 0
+        self.stored_bytes = 0
+        self.dropped_blocks = 0  # stores given up: the write queue full, or a write failed
+        self.evicted_blocks = 0
+        self.read_blocks = 0
+        self.read_bytes = 0
+        self.rejected_blocks = 0  # entries found but failing a check (corrupt, truncated, foreign)
+
+
+class HostMemoryTier:
+    """Blocks in host memory (behind a GPU pool; also the tier of choice for tests): an LRU of
+    hash -> (key, payload bytes) holding at most capacity_bytes of payload."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[bytes, tuple[BlockKey, bytes]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._entries
+
+    def touch(self, block_hash: bytes) -> None:
+        with self._lock:
+            if block_hash in self._entries:
+                self._entries.move_to_end(block_hash)
+
+    def get(self, block_hash: bytes, key: BlockKey) -> bytes | None:
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None or entry[0] != key:
+                return None
+            self._entries.move_to_end(block_hash)
+        self.stats.read_blocks += 1
+        self.stats.read_bytes += len(entry[1])
+        return entry[1]
+
+    def put(self, block_hash: bytes, key: BlockKey, payload) -> None:
+        payload = bytes(payload)
+        if len(payload) > self.capacity_bytes:
+            self.stats.dropped_blocks += 1
+            return
+        with self._lock:
+            old = self._entries.pop(block_hash, None)
+            if old is not None:
+                self._bytes -= len(old[1])
+            while self._entries and self._bytes + len(payload) > self.capacity_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= len(evicted)
+                self.stats.evicted_blocks += 1
+            self._entries[block_hash] = (key, payload)
+            self._bytes += len(payload)
+        self.stats.stored_blocks += 1
+        self.stats.stored_bytes += len(payload)
+
+    def flush(self) -> None:
+        """Stores are synchronous here: nothing to wait for."""
+
+    def close(self) -> None:
+        pass
+
+
+def _write_file(path: str, chunks) -> None:
+    """Write and fsync one file (the disk tier's only write; tests replace it to simulate a full disk)."""
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class DiskTier:
+    """Blocks in files under directory/<fingerprint>/ (see the module docstring), at most capacity_bytes
+    of them (this process's view: the least recently used files are removed past it). Writes happen on a
+    background thread fed by a bounded queue, so a step never waits for the disk; reads are synchronous
+    (the step needs the bytes) and verified."""
+
+    name = "disk"
+
+    def __init__(self, directory, fingerprint: str, capacity_bytes: int) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        if not isinstance(fingerprint, str) or len(fingerprint) != 32:
+            raise ValueError(f"fingerprint must be 32 hex digits, got {fingerprint!r}")
+        self.fingerprint = fingerprint
+        self._fingerprint_bytes = bytes.fromhex(fingerprint)
+        self.capacity_bytes = capacity_bytes
+        self.directory = Path(directory).expanduser() / fingerprint
+        _check_writable(self.directory, directory)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
+        self._bytes = 0
+        self.stats = TierStats()
+        self._warned_write = False
+        self._scan()
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
+        self._writer = threading.Thread(target=self._write_loop, name="kvpage-disk-tier", daemon=True)
+        self._writer.start()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    # -- the index -----------------------------------------------------------------------------
+
+    def _path(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.directory / name[:2] / (name + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files already there (a restart starts warm), oldest first; remove stale temporaries."""
+        found = []
+        now = time.time()
+        for sub in self.directory.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                if path.suffix == SUFFIX and len(path.stem) == 2 * HASH_SIZE:
+                    try:
+                        found.append((st.st_mtime, bytes.fromhex(path.stem), st.st_size))
+                    except ValueError:
+                        continue
+                elif path.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                    _unlink(path)  # a writer that crashed before its rename
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self._bytes += size
+
+    def contains(self, block_hash: bytes) -> bool:
+        if block_hash in self._index:
+            return True
+        # Another process sharing the directory may have written it since the scan: one stat.
+        try:
+            size = self._path(block_hash).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if block_hash not in self._index:
+                self._index[block_hash] = size
+                self._bytes += size
+        return True
+
+    def touch(self, block_hash: bytes) -> None:
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+
+    def _forget(self, block_hash: bytes, remove_file: bool) -> None:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self._bytes -= size
+        if remove_file:
+            _unlink(self._path(block_hash))
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, block_hash: bytes, key: BlockKey) -> bytes | None:
+        """The block's payload, verified against key; None on a miss or a file that fails a check."""
+        if not self.contains(block_hash):
+            return None
+        path = self._path(block_hash)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # removed by another process (its own LRU)
+            self._forget(block_hash, remove_file=False)
+            return None
+        except OSError as e:
+            self._reject(block_hash, path, f"unreadable ({e})")
+            return None
+        problem, payload = self._parse(data, block_hash, key)
+        if problem == "other key":  # a true hash collision: the file is another block's, keep it
+            return None
+        if problem is not None:
+            self._reject(block_hash, path, problem)
+            return None
+        self.touch(block_hash)
+        self.stats.read_blocks += 1
+        self.stats.read_bytes += len(payload)
+        return payload
+
+    def _parse(self, data: bytes, block_hash: bytes, key: BlockKey) -> tuple[str | None, bytes | None]:
+        """(None, payload) for a whole, matching file; else (what is wrong, None)."""
+        if len(data) < len(MAGIC) + _HEADER.size:
+            return "truncated (shorter than its header)", None
+        if data[:len(MAGIC)] != MAGIC:
+            return "not a kvpage block file of this format version", None
+        fp, stored_hash, parent, checksum, _, n_tokens, n_extra, n_payload = _HEADER.unpack_from(data, len(MAGIC))
+        if fp != self._fingerprint_bytes:
+            return "written for another model or configuration (fingerprint differs)", None
+        start = len(MAGIC) + _HEADER.size
+        if len(data) != start + n_tokens + n_extra + n_payload:
+            return f"truncated or padded ({len(data)} bytes, header says {start + n_tokens + n_extra + n_payload})", None
+        if stored_hash != block_hash:
+            return "holds another block hash than its name", None
+        tokens = data[start:start + n_tokens]
+        extra = data[start + n_tokens:start + n_tokens + n_extra]
+        payload = data[start + n_tokens + n_extra:]
+        if _checksum(payload) != checksum:
+            return "corrupt (payload checksum mismatch)", None
+        if parent != key.parent_hash or tokens != key.token_bytes or extra != _extra_bytes(key):
+            return "other key", None
+        return None, payload
+
+    def _reject(self, block_hash: bytes, path: Path, problem: str) -> None:
+        logger.warning("kvpage: KV offload disk tier: skipping %s: %s; it is not loaded (the block is recomputed)",
+                       path, problem)
+        self.stats.rejected_blocks += 1
+        self._forget(block_hash, remove_file=True)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def put(self, block_hash: bytes, key: BlockKey, payload) -> None:
+        """Queue the block for the writer thread; dropped (counted) when the queue is full."""
+        try:
+            self._queue.put_nowait((block_hash, key, payload))
+        except queue.Full:
+            self.stats.dropped_blocks += 1
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (or given up)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception as e:  # never let the thread die: the next block may succeed
+                self._warn_write(e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, key: BlockKey, payload) -> None:
+        if block_hash in self._index:
+            return
+        path = self._path(block_hash)
+        extra = _extra_bytes(key)
+        header = MAGIC + _HEADER.pack(self._fingerprint_bytes, block_hash, key.parent_hash, _checksum(payload),
+                                      b"", len(key.token_bytes), len(extra), len(payload))
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            _write_file(tmp, (header, key.token_bytes, extra, payload))
+            os.replace(tmp, path)  # atomic: readers see the old state or the whole block
+        except OSError as e:
+            _unlink(Path(tmp))
+            self.stats.dropped_blocks += 1
+            self._warn_write(e)
+            return
+        size = len(header) + len(key.token_bytes) + len(extra) + len(payload)
+        with self._lock:
+            if block_hash not in self._index:
+                self._index[block_hash] = size
+                self._bytes += size
+        self.stats.stored_blocks += 1
+        self.stats.stored_bytes += len(payload)
+        self._evict_over_capacity()
+
+    def _evict_over_capacity(self) -> None:
+        while True:
+            with self._lock:
+                if self._bytes <= self.capacity_bytes or not self._index:
+                    return
+                block_hash, size = self._index.popitem(last=False)
+                self._bytes -= size
+            _unlink(self._path(block_hash))
+            self.stats.evicted_blocks += 1
+
+    def _warn_write(self, error: Exception) -> None:
+        if not self._warned_write:  # once: a full disk would otherwise warn on every block
+            self._warned_write = True
+            logger.warning("kvpage: KV offload disk tier: writing a block under %s failed (%s); blocks that cannot be"
+                           " written are not offloaded (they are recomputed when needed)", self.directory, error)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _check_writable(directory: Path, given) -> None:
+    """Create the directory and write a probe file, or raise ValueError naming kv_offloading_dir."""
+    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_file(str(probe), (b"",))
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"kv_offloading_dir={str(given)!r} is not a writable directory: {e}") from None

@@ -1,0 +1,125 @@
+"""The KV connector's worker side: block bytes between the runner's KV cache and a tier, and the model
+fingerprint the disk tier is keyed by.
+
+KVOffloadWorker wraps a ModelRunner (the engine only calls execute(); everything else is the runner's):
+before each step's own swaps, copies and forward pass it saves the blocks the step's scheduling evicted
+(copied out synchronously: this very step may reuse them) and loads the tier hits into their fresh
+device blocks. A block's payload is every cache tensor's slice of that block (K then V of each of the
+runner's cache pairs), as raw bytes: the tier never interprets it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+import kvpage
+
+from .connector import KVConnectorMeta
+
+_SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
+
+
+class KVOffloadWorker:
+    def __init__(self, runner, tier) -> None:
+        self._runner = runner
+        self.tier = tier
+        self._tensors = [t for kv in runner.kv_cache_pairs for t in kv]
+        self._nbytes = [t[0].numel() * t.element_size() for t in self._tensors]
+        self.bytes_per_block = sum(self._nbytes)
+        self._device = self._tensors[0].device
+        self._pending_loads: list[tuple[int, bytes]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def execute(self, batch):
+        meta: KVConnectorMeta | None = getattr(batch, "kv_connector_meta", None)
+        if meta is not None:
+            if meta.stores:
+                self.save(meta.stores)
+            if meta.loads:
+                self.start_load(meta.loads)
+                self.wait_for_load()
+        return self._runner.execute(batch)
+
+    # -- the worker side of the seam -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def save(self, stores) -> None:
+        """Copy the stored blocks' bytes out now (one gather per cache tensor), then hand them to the tier
+        (the disk tier writes on its own thread)."""
+        rows = self.read_blocks([block_id for _, _, block_id in stores])
+        for (block_hash, key, _), row in zip(stores, rows):
+            self.tier.put(block_hash, key, row)
+
+    def start_load(self, loads) -> None:
+        """The payloads are already verified host bytes (read when the scheduler matched them)."""
+        self._pending_loads.extend(loads)
+
+    @torch.inference_mode()
+    def wait_for_load(self) -> None:
+        loads, self._pending_loads = self._pending_loads, []
+        if loads:
+            self.write_blocks([block_id for block_id, _ in loads], [payload for _, payload in loads])
+
+    # -- block bytes ---------------------------------------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's payload (every cache tensor's slice of it, in order)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors]
+        staging = torch.cat(parts, dim=1).cpu()
+        return [staging[i].numpy().tobytes() for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        for payload in payloads:
+            if len(payload) != self.bytes_per_block:
+                raise ValueError(f"a KV block payload of {len(payload)} bytes; this cache's blocks take"
+                                 f" {self.bytes_per_block}")
+        n = len(block_ids)
+        staging = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
+        staging = staging.to(self._device, non_blocking=False)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        offset = 0
+        for t, nbytes in zip(self._tensors, self._nbytes):
+            chunk = staging[:, offset:offset + nbytes].contiguous().view(t.dtype).view(n, *t.shape[1:])
+            t.index_copy_(0, ids, chunk)
+            offset += nbytes
+
+
+def model_fingerprint(model, tokenizer, runner, block_size: int, matmul_precision: str = "highest") -> str:
+    """32 hex digits naming everything a block's bytes depend on: kvpage's version, the model's config, its
+    weights (cheaply: every parameter's name, shape, dtype and its first and last 1024 elements' bytes,
+    not a hash of every byte), dtype, KV-cache dtype and layout, block size, the linear layers' precision,
+    and the tokenizer (its class, vocabulary size and the ids of a fixed text)."""
+    h = hashlib.blake2b(digest_size=16)
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    config.pop("transformers_version", None)
+    desc = {
+        "kvpage": kvpage.__version__, "config": config, "dtype": str(runner.dtype),
+        "kv_cache_dtype": str(runner.cache_dtype), "weight_dtype": str(runner.weight_dtype),
+        "matmul_precision": matmul_precision, "block_size": block_size,
+        "kv_cache_shape": [list(t.shape[1:]) for kv in runner.kv_cache_pairs for t in kv],
+        "layout": [list(g.layer_ids) for g in runner.layout.groups], "tokenizer": _tokenizer_desc(tokenizer),
+    }
+    h.update(json.dumps(desc, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+            for part in (flat[:_SAMPLED_ELEMENTS], flat[-_SAMPLED_ELEMENTS:]):
+                h.update(part.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tokenizer_desc(tokenizer) -> list:
+    if tokenizer is None:
+        return ["none"]
+    try:
+        ids = list(tokenizer.encode("kvpage fingerprint: The quick brown fox jumps over the lazy dog. 0123456789"))
+    except Exception:  # a tokenizer without encode(str): its class and size still tell models apart
+        ids = []
+    return [type(tokenizer).__name__, len(tokenizer) if hasattr(tokenizer, "__len__") else None, ids]
