@@ -24,7 +24,7 @@ _EXAMPLES, _STEPS = {"ci": (60, 40), "deep": (2000, 100)}.get(_PROFILE, (60, 40)
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 0, 0, 0, 0, 2, 2], [3, 3, 3, 3, 3, 3, 3, 3])
 VOCAB = st.integers(0, 3)
 LAYOUTS = (None, kv_cache_layout([None, 3, 3, None]), kv_cache_layout([None, 2, 5]), kv_cache_layout([4, 4]),
-           kv_cache_layout([1, None]), kv_cache_layout([1]))
+           kv_cache_layout([1, None]), kv_cache_layout([1]), kv_cache_layout([None, None, 3]))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -5,8 +5,8 @@ q >= c (the next query's position), i.e. p > c - W."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvpage.core import (NULL_BLOCK, BlockManager, InvariantError, ScheduledSequence, Sequence, check_block_manager,
-                         kv_cache_layout, num_blocks_for, num_blocks_per_group, num_blocks_per_seq)
+from kvpage.core import (NULL_BLOCK, BlockManager, InvariantError, KVCacheGroup, KVCacheLayout, ScheduledSequence,
+                         Sequence, check_block_manager, kv_cache_layout, num_blocks_for, num_blocks_per_group, num_blocks_per_seq)
 from kvpage.core.hashing import group_key
 
 FULL_AND_WINDOW = kv_cache_layout([None, 6, 6, None, 6, 6])  # groups: full, W=6, W=6 (two layers each)
@@ -185,7 +185,8 @@ def expected_hit_blocks(cached: set, layout, num_tokens: int, block_size: int) -
 
 
 @settings(max_examples=80, deadline=None)
-@given(layout=st.sampled_from([FULL_AND_WINDOW, TWO_WINDOWS, kv_cache_layout([3, 7])]),
+@given(layout=st.sampled_from([FULL_AND_WINDOW, TWO_WINDOWS, kv_cache_layout([3, 7]), kv_cache_layout([None, None, 5]),
+                               KVCacheLayout((KVCacheGroup(None, (0,)), KVCacheGroup(None, (1,))), 1)]),
        block_size=st.sampled_from([1, 2, 4]), num_tokens=st.integers(2, 30), data=st.data())
 def test_prefix_hit_is_the_longest_every_group_supplies(layout, block_size, num_tokens, data):
     bm = BlockManager(200, block_size, kv_cache_layout=layout)

@@ -198,10 +198,8 @@ class BlockManager:
         for g in self._full_groups:  # each stops at its first miss; later groups need look no further
             full_hits[g] = self._match_full(seq, g, limit)
             limit = len(full_hits[g])
-        if not self._window_groups:
-            return [full_hits[g] for g in range(self.num_groups)]
         memo = {g: {} for g, _ in self._window_groups}
-        h = self._fit_windows(seq, limit, memo)
+        h = self._fit_windows(seq, limit, memo) if self._window_groups else limit
         tables = []
         for g, window in enumerate(self.sliding_windows):
             if window is None:
