@@ -224,3 +224,16 @@ def test_window_groups_free_blocks_yet_give_full_tables_logits(family):
     assert len(got) == len(want) > 24
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_several_groups_run_eagerly_where_one_would_replay_graphs(monkeypatch):
+    """CUDA graphs' buffers hold one group's tables: a runner of several groups runs every step eagerly
+    (enforce_eager's meaning is unchanged: it turns graphs off for every model)."""
+    from kvpage.model.cuda_graphs import CudaGraphConfig
+
+    monkeypatch.setattr("kvpage.model.runner.DecodeGraphs", lambda *args: "graphs")
+    for layout, want in ((None, "graphs"), (two_full_groups(4), None)):
+        runner = ModelRunner(tiny_model("llama", num_hidden_layers=4), num_kv_blocks=8, block_size=BLOCK,
+                             kv_cache_layout=layout)
+        runner.device = torch.device("cuda")  # as on a GPU: the graphs' other conditions hold
+        assert runner._decode_graphs(CudaGraphConfig(max_num_seqs=4, max_model_len=64)) == want
