@@ -153,10 +153,14 @@ class LLM:
             eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs,
             kv_cache_layout=self.kv_cache_layout, kv_offloading_size=kv_offloading_size,
             kv_offloading_dir=kv_offloading_dir))
+        layout = self.kv_cache_layout
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
-                    " pool %d blocks", num_kv_blocks, block_size * decode_context_parallel_size,
+                    " pool %d blocks%s", num_kv_blocks, block_size * decode_context_parallel_size,
                     num_kv_blocks * block_size * decode_context_parallel_size,
-                    num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks)
+                    num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks,
+                    # Hybrid: a block id is one group's layers, and a window group holds only its window's blocks.
+                    f"; {layout.num_groups} KV-cache groups of {layout.group_size} layers (windows"
+                    f" {list(layout.sliding_windows)})" if layout.num_groups > 1 else "")
         self._counter = itertools.count()
         # One call at a time owns the engine: a second thread waits rather than stepping into its state.
         self._lock = threading.RLock()
