@@ -34,8 +34,8 @@ def test_serve_flags_reach_the_server(tmp_path, model, tok):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-m", "kvpage", "serve", str(directory), "--port", str(port),
                                 "--num-kv-blocks", "64", "--max-model-len", "48", "--served-model-name", "t",
-                                "--api-key", "k"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                                "--api-key", "k", "--metrics-without-auth", "--max-request-body-bytes", "2000"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process)
@@ -47,6 +47,10 @@ def test_serve_flags_reach_the_server(tmp_path, model, tok):
         assert status == 400 and body["error"]["param"] == "prompt"
         status, body = post(url + "/v1/completions", {"model": "t", "prompt": "Hi", "max_tokens": 3}, auth)
         assert status == 200 and body["usage"]["completion_tokens"] <= 3
+        status, body = post(url + "/v1/completions", {"model": "t", "prompt": "Hi " * 1000}, auth)
+        assert status == 413 and "2000" in body["error"]["message"]
+        assert post(url + "/tokenize", {"prompt": "Hi"})[0] == 401  # every route but /health needs the key ...
+        assert urllib.request.urlopen(url + "/metrics", timeout=10).status == 200  # ... /metrics: the flag
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -64,3 +68,32 @@ def test_serve_decode_context_parallel_flags_reach_the_llm(tmp_path, model, tok)
         done = subprocess.run([sys.executable, "-m", "kvpage", "serve", str(directory), "--port", str(_free_port()),
                                "--num-kv-blocks", "64", *flags], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and name in done.stderr, done.stderr
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "kvpage", "serve", *flags], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_serve_checks_its_flags_before_anything_loads():
+    """--port 99999 loaded the model and then died with uvicorn's OverflowError traceback."""
+    for flags, message in ((["--port", "99999"], "argument --port: must be a TCP port in [1, 65535], got 99999"),
+                           (["--port", "0"], "argument --port"), (["--api-key", ""], "argument --api-key"),
+                           (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes")):
+        done = _serve("/no/such/model", *flags)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_binds_its_port_before_loading_the_model():
+    """A busy port is one line, before the model loads: the model directory here does not even exist, and
+    it is the port the error is about."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _serve("/no/such/model", "--port", str(port))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [f"kvpage serve: error: cannot listen on 127.0.0.1:{port}:"
+                                                " Address already in use"]

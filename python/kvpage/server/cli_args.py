@@ -3,10 +3,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from kvpage.engine.arg_utils import add_engine_args, engine_kwargs, positive_int
 
 logger = logging.getLogger("kvpage.server")
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, so that --port 99999 ends at parse time naming the flag (uvicorn's
+    OverflowError came only after the model had loaded)."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {value}")
+    return value
+
+
+def _api_key(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -17,10 +33,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="local HF model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="the port to listen on")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL's)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
-                   " (default: none, open)")
+    p.add_argument("--api-key", type=_api_key, default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: none, open)")
+    p.add_argument("--metrics-without-auth", action="store_true",
+                   help="with --api-key: serve /metrics without the key too (a Prometheus scraper that sends none)")
+    p.add_argument("--max-request-body-bytes", type=positive_int, default=None,
+                   help="answer 413 to a larger request body, before reading the rest of it (default: 256 bytes"
+                        " per token of the context length, at least 1 MiB)")
     p.add_argument("--max-waiting-requests", type=positive_int, default=None,
                    help="answer 503 while this many requests wait to run (default: unbounded)")
     add_engine_args(p, skip=("model",))
@@ -43,12 +64,36 @@ def run_server(args) -> None:
     from kvpage.engine.generation_defaults import describe as describe_sampling_defaults
     from .app import build_app
 
-    llm = kvpage.LLM(model=args.model, **engine_kwargs(args))
+    sock = bind(args.host, args.port)  # before the model loads: a busy port is told in a second, not a minute
     try:
-        app = build_app(llm, model_name(args), api_key=args.api_key,
-                        max_waiting_requests=args.max_waiting_requests)
-        logger.warning("kvpage serve: %s on http://%s:%d/v1", model_name(args), args.host, args.port)
-        logger.warning("kvpage serve: %s", describe_sampling_defaults(llm.default_sampling_fields))
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        llm = kvpage.LLM(model=args.model, **engine_kwargs(args))
+        try:
+            app = build_app(llm, model_name(args), api_key=args.api_key,
+                            max_waiting_requests=args.max_waiting_requests,
+                            max_request_body_bytes=args.max_request_body_bytes,
+                            metrics_without_auth=args.metrics_without_auth)
+            logger.warning("kvpage serve: %s on http://%s:%d/v1", model_name(args), args.host, args.port)
+            logger.warning("kvpage serve: %s", describe_sampling_defaults(llm.default_sampling_fields))
+            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+        finally:
+            llm.shutdown()
     finally:
-        llm.shutdown()
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not yet listening (nobody connects before the app is up). A busy
+    port or an unknown host ends the command with one line (status 1) before anything loads."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise SystemExit(f"kvpage serve: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"kvpage serve: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
