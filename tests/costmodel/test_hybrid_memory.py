@@ -75,3 +75,24 @@ def test_layer_windows_must_name_every_layer(bad):
 
     with pytest.raises(ValueError, match="layer_windows must name each of the 62 layers"):
         replace(GEMMA3, layer_windows=bad)
+
+
+def test_rank_capacity_agrees_with_the_memory_section():
+    from kvpage.costmodel import ParallelConfig, rank_capacity
+
+    h100 = get_device("h100")
+    rank = rank_capacity(ParallelConfig(GEMMA3, 1, 1), h100, 2, mean_len=16000)
+    cap = memory.capacity(GEMMA3, h100, 16384, 16000, 16, 2)
+    assert (rank.blocks_per_rank, rank.seqs_paged) == (cap.budget_blocks, cap.seqs_paged)
+    # One sequence: the full group fills what the six window groups' 65 blocks each leave.
+    assert rank.max_context_tokens == (rank.blocks_per_rank - 6 * 65) * 16
+    two = ParallelConfig(GEMMA3, 2, 1)
+    assert two.rank_block_bytes(2) == 16 * 2 * 10 * 8 * 128 * 2  # 8 of 16 KV heads, 10 layers per block id
+    assert two.kv_bytes_per_token_per_rank(2) == 2 * 62 * 8 * 128 * 2  # every layer, per token
+
+
+def test_plan_refuses_decode_context_parallelism_for_window_layers():
+    from kvpage.costmodel import ParallelConfig
+
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported for a model with sliding"):
+        ParallelConfig(GEMMA3, 32, 2)

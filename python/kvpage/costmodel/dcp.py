@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpage.core.context_parallel import ContextParallelPlacement, check_context_parallel, kv_head_replication
+from kvpage.core.kv_cache_groups import num_blocks_per_seq
 
 from .device import Device
-from .memory import check_positive
+from .memory import check_positive, expected_paged_blocks
 from .model import ModelShape
 
 LSE_BYTES = 4  # the log-sum-exp travels in float32 whatever the KV dtype
@@ -51,6 +52,9 @@ class ParallelConfig:
         m = self.model
         check_context_parallel(self.tensor_parallel_size, self.decode_context_parallel_size,
                                self.dcp_kv_cache_interleave_size, self.block_size, m.num_heads, m.num_kv_heads)
+        if self.decode_context_parallel_size > 1 and any(w is not None for w in m.layer_windows):
+            raise ValueError(f"decode_context_parallel_size={self.decode_context_parallel_size} is not supported for a"
+                             f" model with sliding-window layers ({m.name}); use decode_context_parallel_size=1")
 
     @property
     def kv_head_replication(self) -> int:
@@ -82,13 +86,17 @@ class ParallelConfig:
         return self.placement.virtual_block_size
 
     def rank_block_bytes(self, dtype_bytes: int) -> int:
-        """One physical block on one rank: block_size positions of this rank's KV heads, K and V, all layers."""
-        m = self.model
-        return 2 * m.num_layers * self.kv_heads_per_rank * m.head_dim * dtype_bytes * self.block_size
+        """One physical block on one rank: block_size positions of this rank's KV heads, K and V, over the
+        layers of one KV-cache group (all layers for a model without windows)."""
+        return self._rank_position_bytes(dtype_bytes) * self.model.kv_cache_layout.group_size * self.block_size
 
     def kv_bytes_per_token_per_rank(self, dtype_bytes: int) -> float:
         """A rank's share of one token's KV: its heads' K and V over every layer, on 1/D of the positions."""
-        return self.rank_block_bytes(dtype_bytes) / self.virtual_block_tokens
+        return self._rank_position_bytes(dtype_bytes) * self.model.num_layers * self.block_size / self.virtual_block_tokens
+
+    def _rank_position_bytes(self, dtype_bytes: int) -> int:
+        """K and V of one position of one layer on one rank."""
+        return 2 * self.kv_heads_per_rank * self.model.head_dim * dtype_bytes
 
     def tokens_on_rank(self, num_tokens: int, rank: int) -> int:
         """How many of positions 0..num_tokens-1 land on DCP rank `rank` ((p // I) % D == rank)."""
@@ -128,8 +136,21 @@ def rank_capacity(pc: ParallelConfig, device: Device, dtype_bytes: int, mean_len
         raise ValueError(f"{pc.model.name}'s weights per rank do not fit in {memory_utilization:.0%} of"
                          f" {device.name} at tensor_parallel_size={pc.tensor_parallel_size}")
     blocks = int(budget // pc.rank_block_bytes(dtype_bytes))
+    layout = pc.model.kv_cache_layout
+    if layout.is_hybrid:  # window groups hold their window's blocks only (no DCP: the plan refuses it)
+        return RankCapacity(budget, blocks, _longest_hybrid_context(layout, blocks, pc.block_size),
+                            int(blocks // expected_paged_blocks(layout, mean_len, pc.block_size)))
     per_seq = mean_len + (pc.virtual_block_tokens - 1) / 2
     return RankCapacity(budget, blocks, pc.max_context_tokens(blocks), int(pc.max_context_tokens(blocks) // per_seq))
+
+
+def _longest_hybrid_context(layout, blocks: int, block_size: int) -> int:
+    """The longest single sequence `blocks` block ids hold: every full group's blocks full, each window group
+    holding the most it ever does (core.num_blocks_per_seq for a sequence past every window)."""
+    full_groups = sum(w is None for w in layout.sliding_windows)
+    past_windows = max(w for w in layout.sliding_windows if w is not None) + block_size
+    windows = num_blocks_per_seq(layout, past_windows, block_size) - full_groups * -(-past_windows // block_size)
+    return max(0, (blocks - windows) // full_groups) * block_size if full_groups else 0
 
 
 @dataclass(frozen=True)
