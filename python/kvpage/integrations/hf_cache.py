@@ -334,7 +334,8 @@ class PagedCache(Cache):
         expected = (batch_size, self.get_seq_length() + query_len)
         if tuple(padding_mask.shape) != expected:
             raise ValueError(f"attention_mask has shape {tuple(padding_mask.shape)}; with {self.get_seq_length()}"
-                             f" columns cached and {query_len} new, the PagedCache expects {expected}")
+                             f" columns cached and {query_len} new, the PagedCache expects {expected}"
+                             + _use_cache_hint(padding_mask.shape[1], query_len, self.get_seq_length()))
         real = padding_mask[:, -query_len:].to("cpu", torch.bool)
         return None if bool(real.all()) else real
 
@@ -391,3 +392,13 @@ class PagedCache(Cache):
         if key.dtype != self.dtype or key.device != self.device:
             raise ValueError(f"layer {layer_idx} gives {key.dtype} key states on {key.device}; this PagedCache holds"
                              f" {self.dtype} on {self.device} (pass dtype=/device= to match the model, or None)")
+
+
+def _use_cache_hint(mask_columns: int, query_len: int, cached: int) -> str:
+    """(issue 49, C's edit) A mask of the new tokens only, over a cache that holds some: what a call with
+    use_cache=False gives (each step re-feeds the whole sequence, which the cache already holds)."""
+    if cached and mask_columns == query_len:
+        return (". This is what use_cache=False gives (every step feeds the whole sequence again): a PagedCache"
+                " needs use_cache=True (generate's default)")
+    return ""
+
