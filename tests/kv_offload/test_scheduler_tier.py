@@ -1,0 +1,146 @@
+"""The scheduler with a KV offload tier, on the fake runner (tests/core/fake_runner.py): its cache holds one
+token id per slot, so a block stored into the tier and loaded back must hold exactly the tokens the
+scheduler thinks, or the context read back (checked every step) disagrees.
+
+Hypothesis: random workloads (shared prefixes, n > 1, both preemption modes, failed steps) through a small
+pool and a small host tier give every request the output an unpressured run gives, with the pool's
+invariants every step and the tier's: each stored block's bytes are its key's tokens, a block is evicted
+from the pool only once no sequence holds it, one entry per hash, byte accounting exact.
+"""
+import os
+import sys
+from array import array
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from fake_runner import Arrival, FakeRunner, StepFailed, all_seqs, assert_pool_whole, drive, expected_outputs  # noqa: E402
+
+from kvpage.core import BlockManager, RequestStatus, Scheduler  # noqa: E402
+from kvpage.core.block_moves import live_blocks  # noqa: E402
+from kvpage.kv_offload import HostMemoryTier, OffloadingConnector  # noqa: E402
+
+_EXAMPLES = {"ci": 40, "deep": 2000}.get(os.environ.get("KVPAGE_HYPOTHESIS_PROFILE", "ci"), 40)
+PREFIXES = ([], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], [5] * 24, [3, 1] * 10)
+
+
+def encode(tokens) -> bytes:
+    return array("q", [-1 if t is None else t for t in tokens]).tobytes()
+
+
+def decode(payload: bytes) -> list:
+    return [None if t == -1 else t for t in array("q", payload)]
+
+
+class TierFakeRunner(FakeRunner):
+    """The fake runner plus the worker side of the seam: stores read the evicted blocks before anything
+    else this step writes, loads write the tier's bytes into their fresh blocks."""
+
+    def __init__(self, scheduler: Scheduler, tier, fail_steps=()) -> None:
+        super().__init__(scheduler.bm.block_size)
+        self.scheduler, self.tier, self.fail_steps = scheduler, tier, set(fail_steps)
+        self.num_loads = 0
+
+    def execute(self, out, expected_tokens=None):
+        meta = out.kv_connector_meta
+        if meta is not None:
+            for block_hash, key, block_id in meta.stores:
+                contents = self._block(self.device, block_id)
+                assert encode(contents) == key.token_bytes, "an evicted block's bytes are not its key's tokens"
+                self.tier.put(block_hash, key, encode(contents))
+            for block_id, payload in meta.loads:
+                self.device[block_id] = decode(payload)
+                self.num_loads += 1
+        if out.step in self.fail_steps:
+            raise StepFailed()
+        return super().execute(out, expected_tokens)
+
+
+def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, **kwargs):
+    bm = BlockManager(num_blocks, block_size, num_host_blocks, True, 0.0)
+    s = Scheduler(bm, **kwargs)
+    tier = HostMemoryTier(tier_blocks * block_size * 8)
+    connector = OffloadingConnector(tier, block_size)
+    s.kv_connector = connector
+
+    def on_evict(block_hash, key, block_id):
+        # Nothing is evicted from the pool while a sequence holds it.
+        assert bm.device.ref_counts[block_id] == 0
+        assert all(block_id not in live_blocks(seq) for seq in all_seqs(s) if not seq.swapped)
+        connector.on_evict(block_hash, key, block_id)
+
+    bm.device.cache.on_evict = on_evict
+    return s, tier, connector
+
+
+def check_tier(tier: HostMemoryTier, block_size: int) -> None:
+    entries = tier._entries
+    assert tier.used_bytes == sum(len(p) for _, p in entries.values()) <= tier.capacity_bytes
+    for block_hash, (key, payload) in entries.items():
+        assert key.digest() == block_hash and payload == key.token_bytes
+
+
+arrival = st.builds(lambda step, prefix, suffix, max_tokens, n: (step, prefix + suffix, max_tokens, n),
+                    st.integers(0, 30), st.sampled_from(PREFIXES), st.lists(st.integers(1, 9), max_size=20),
+                    st.integers(1, 16), st.sampled_from([1, 1, 1, 2]))
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(arrival, min_size=1, max_size=12), block_size=st.sampled_from([1, 2, 4]),
+       num_blocks=st.integers(24, 60), num_host_blocks=st.integers(0, 30), tier_blocks=st.integers(1, 64),
+       max_num_batched_tokens=st.integers(4, 48), mode=st.sampled_from([None, "swap", "recompute"]),
+       fail_steps=st.sets(st.integers(0, 60), max_size=3))
+def test_random_workloads_through_a_tier(arrivals, block_size, num_blocks, num_host_blocks, tier_blocks,
+                                         max_num_batched_tokens, mode, fail_steps):
+    # Each prompt comes twice, the second time late, so its blocks were likely evicted to the tier meanwhile.
+    arrivals = arrivals + [(step + 40, prompt, max_tokens, n) for step, prompt, max_tokens, n in arrivals]
+    arrivals = [Arrival(step, f"r{i}", [p % 10 for p in prompt] or [1], max_tokens, n)
+                for i, (step, prompt, max_tokens, n) in enumerate(arrivals)]
+    s, tier, connector = tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks,
+                                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+                                          preemption_mode=mode)
+    runner = TierFakeRunner(s, tier, fail_steps)
+    result = drive(s, arrivals, max_steps=20_000, allow_rejects=True, runner=runner)
+    for a in arrivals:
+        if a.request_id not in result.rejected:
+            assert result.statuses[a.request_id] is RequestStatus.FINISHED_STOPPED or result.outputs[a.request_id]
+            assert result.outputs[a.request_id] == expected_outputs(a.prompt, a.max_tokens, a.n)
+    check_tier(tier, block_size)
+    assert_pool_whole(s.bm)
+    assert connector.loaded_blocks == runner.num_loads or fail_steps
+
+
+def test_evicted_prompt_is_loaded_from_the_tier_not_recomputed():
+    """A prompt whose blocks the pool evicted comes back: its blocks load from the tier (the prompt's
+    last block still runs, for its logits), the hit counts once, and the output is unchanged."""
+    s, tier, connector = tiered_scheduler(12, 4, 0, 64, max_num_batched_tokens=64, max_num_seqs=4)
+    first = [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 2]  # 17 tokens: 4 full blocks
+    other = [8] * 45 + [4]  # with its 2 output tokens, all 12 blocks: every block of the first prompt is evicted
+    arrivals = [Arrival(0, "a", first, 2, 1), Arrival(5, "b", other, 2, 1), Arrival(10, "c", first, 2, 1)]
+    runner = TierFakeRunner(s, tier)
+    result = drive(s, arrivals, runner=runner)
+    assert result.outputs["c"] == expected_outputs(first, 2)
+    assert connector.loaded_blocks == 4 and runner.num_loads == 4
+    assert connector.hit_tokens == 16
+    assert len(tier) >= 4
+
+
+def test_no_tier_hit_after_preemption_counts_as_a_cache_hit():
+    s, tier, connector = tiered_scheduler(12, 4, 0, 64, max_num_batched_tokens=64, max_num_seqs=4)
+    seq_prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    s.add_request("x", seq_prompt, max_tokens=1)
+    request = s.requests["x"]
+    request.num_cached_tokens = 0  # as if admitted once before (a recompute after preemption)
+    connector.tier.put(*_entry(seq_prompt, 0, 4))
+    out = s.schedule()
+    assert out.kv_connector_meta is not None and len(out.kv_connector_meta.loads) == 1
+    assert connector.loaded_blocks == 1 and connector.hit_tokens == 0
+
+
+def _entry(tokens, i, bs):
+    from kvpage.core import Sequence
+    from kvpage.kv_offload.connector import block_hash, block_key
+    seq = Sequence(0, tokens)
+    key = block_key(seq, i, bs)
+    return block_hash(seq, i, bs), key, key.token_bytes

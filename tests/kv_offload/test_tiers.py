@@ -1,0 +1,186 @@
+"""The host-memory and disk tiers on their own: exact bytes back, LRU, restart, and every fault case
+(truncated, flipped, foreign, unwritable, disk full, crashed writer, two processes' worth of tiers sharing a
+directory): a clear warning or error, and never a payload that is not exactly what was written for that key."""
+import errno
+import logging
+import os
+import time
+
+import pytest
+
+from kvpage.core import Sequence
+from kvpage.kv_offload import tiers
+from kvpage.kv_offload.connector import block_hash, block_key
+from kvpage.kv_offload.tiers import DiskTier, HostMemoryTier
+
+FP = "0123456789abcdef" * 2
+OTHER_FP = "fedcba9876543210" * 2
+BS = 4
+
+
+def entries(n, extra_keys=(), seed=0):
+    """n chained blocks of one sequence: (hash, key, payload) with a payload unique to the block."""
+    seq = Sequence(0, [(seed * 131 + i * 7) % 50 + 1 for i in range(n * BS + 1)], extra_keys)
+    out = []
+    for i in range(n):
+        key = block_key(seq, i, BS)
+        out.append((block_hash(seq, i, BS), key, bytes([(i + seed) % 256]) * 100 + key.token_bytes))
+    return out
+
+
+def disk(tmp_path, fp=FP, capacity=1 << 20):
+    tier = DiskTier(tmp_path, fp, capacity)
+    return tier
+
+
+def store(tier, items):
+    for h, k, p in items:
+        tier.put(h, k, p)
+    tier.flush()
+
+
+def test_host_tier_returns_exact_bytes_and_evicts_lru():
+    items = entries(4)
+    size = len(items[0][2])
+    tier = HostMemoryTier(3 * size)
+    for h, k, p in items[:3]:
+        tier.put(h, k, p)
+    assert tier.get(items[0][0], items[0][1]) == items[0][2]  # touches block 0: block 1 is now the oldest
+    tier.put(*items[3])
+    assert not tier.contains(items[1][0]) and tier.contains(items[0][0]) and len(tier) == 3
+    assert tier.used_bytes == 3 * size and tier.stats.evicted_blocks == 1
+    # A key that differs from the stored one (a hash collision) gets nothing.
+    assert tier.get(items[0][0], items[2][1]) is None
+
+
+def test_disk_tier_round_trip_and_restart_is_warm(tmp_path):
+    items = entries(5)
+    tier = disk(tmp_path)
+    store(tier, items)
+    assert all(tier.get(h, k) == p for h, k, p in items)
+    tier.close()
+    again = disk(tmp_path)  # a new process: the files are the index
+    assert len(again) == 5 and all(again.get(h, k) == p for h, k, p in items)
+    # Another model (fingerprint) sharing the directory sees none of it.
+    assert len(disk(tmp_path, OTHER_FP)) == 0
+
+
+def test_disk_tier_lru_capacity(tmp_path):
+    items = entries(6)
+    tier = disk(tmp_path)
+    store(tier, items[:1])
+    per_file = tier.used_bytes
+    tier.close()
+    tier = DiskTier(tmp_path, FP, 3 * per_file)
+    store(tier, items[1:])
+    assert len(tier) == 3 and tier.used_bytes <= 3 * per_file
+    assert [tier.get(h, k) for h, k, _ in items[3:]] == [p for _, _, p in items[3:]]
+    assert sum(1 for _ in (tmp_path / FP).rglob("*.kvb")) == 3
+
+
+def test_extra_keys_are_part_of_the_key(tmp_path):
+    (h, k, p), = entries(1, extra_keys=("cache_salt", "a"))
+    tier = disk(tmp_path)
+    store(tier, [(h, k, p)])
+    assert tier.get(h, k) == p
+    assert tier.get(h, k._replace(extra_keys=("cache_salt", "b"))) is None
+
+
+def _file(tier, h):
+    return tier._path(h)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "pad", "empty", "foreign"])
+def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage):
+    items = entries(2)
+    tier = disk(tmp_path)
+    store(tier, items)
+    h, k, p = items[1]
+    path = _file(tier, h)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-7]
+    elif damage == "flip_payload":
+        data[-3] ^= 0x40
+    elif damage == "flip_header":
+        data[3] ^= 0x01
+    elif damage == "pad":
+        data += b"\0"
+    elif damage == "empty":
+        data = b""
+    else:  # a file another model's tier wrote, under this model's name
+        other = DiskTier(tmp_path, OTHER_FP, 1 << 20)
+        store(other, [items[1]])
+        data = _file(other, h).read_bytes()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvpage"):
+        assert tier.get(h, k) is None
+        assert tier.get(h, k) is None  # asked again: no second warning, the file is gone
+    warnings = [r for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    assert not path.exists() and tier.stats.rejected_blocks == 1
+    assert tier.get(*items[0][:2]) == items[0][2]  # the intact block still loads
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="kv_offloading_dir=.*not a writable directory"):
+        DiskTier(blocker / "tier", FP, 1 << 20)
+
+
+def test_disk_full_warns_once_and_stores_nothing(tmp_path, monkeypatch, caplog):
+    real = tiers._write_file
+
+    def full_disk(path, chunks):
+        with open(path, "wb") as f:  # half a block reaches the disk, then the write fails
+            f.write(b"".join(chunks)[:50])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tier = disk(tmp_path)
+    monkeypatch.setattr(tiers, "_write_file", full_disk)
+    items = entries(3)
+    with caplog.at_level(logging.WARNING, logger="kvpage"):
+        store(tier, items)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "No space left" in caplog.records[0].getMessage() and len(caplog.records) == 1
+    assert len(tier) == 0 and tier.stats.dropped_blocks == 3
+    assert not list((tmp_path / FP).rglob("*.tmp")) and not list((tmp_path / FP).rglob("*.kvb"))
+    assert all(tier.get(h, k) is None for h, k, _ in items)
+    monkeypatch.setattr(tiers, "_write_file", real)  # space again: stores work
+    store(tier, items)
+    assert all(tier.get(h, k) == p for h, k, p in items)
+
+
+def test_crash_before_rename_leaves_nothing_loadable(tmp_path):
+    """A writer killed between writing the data and renaming it into place (the file is the index entry)
+    leaves a temporary file: never indexed, never read; removed at start-up once stale."""
+    items = entries(2)
+    tier = disk(tmp_path)
+    store(tier, items[:1])
+    h, k, p = items[1]
+    final = _file(tier, h)
+    final.parent.mkdir(exist_ok=True)
+    tmp = final.parent / (final.name + ".999.1.tmp")
+    tmp.write_bytes(_file(tier, items[0][0]).read_bytes()[:40])
+    fresh = final.parent / (final.name + ".999.2.tmp")
+    fresh.write_bytes(b"being written")
+    old = time.time() - 2 * tiers.STALE_TMP_SECONDS
+    os.utime(tmp, (old, old))
+    again = disk(tmp_path)
+    assert again.get(h, k) is None and len(again) == 1
+    assert not tmp.exists() and fresh.exists()  # a recent one may be another process's write in progress
+
+
+def test_two_tiers_sharing_a_directory(tmp_path):
+    """Two processes' tiers on one directory: each sees the other's whole blocks (a write lands by
+    rename), writing the same block twice is harmless, and one removing a file is a miss for the other."""
+    items = entries(4)
+    a, b = disk(tmp_path), disk(tmp_path)
+    store(a, items[:2])
+    assert b.get(*items[0][:2]) == items[0][2]  # b never indexed it: found by name
+    store(b, items[1:])
+    store(a, items[1:])
+    assert all(a.get(h, k) == p and b.get(h, k) == p for h, k, p in items)
+    _file(a, items[3][0]).unlink()
+    assert b.get(*items[3][:2]) is None and not b.contains(items[3][0])
