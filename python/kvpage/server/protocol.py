@@ -35,6 +35,8 @@ def _check_utf8(value, where: str = "") -> None:
         except UnicodeEncodeError as e:
             raise ValueError(f"text{where} is not valid UTF-8: a lone surrogate {value[e.start:e.end]!r} at index"
                              f" {e.start}") from None
+    elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
+        return  # validated already: a list of numbers (token ids) holds nothing else, and may be long
     elif isinstance(value, (list, dict)):
         for i, item in (value.items() if isinstance(value, dict) else enumerate(value)):
             if isinstance(i, str):
