@@ -219,6 +219,8 @@ class LLM:
     def shutdown(self) -> None:
         """Release the tensor-parallel workers and process group (a no-op at tensor_parallel_size=1).
         Also runs when the LLM is garbage-collected and at interpreter exit."""
+        if getattr(self, "llm_engine", None) is not None:  # [kv tier] a disk tier keeps the pool's cached blocks
+            self.llm_engine.close_kv_tier()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
 

@@ -534,6 +534,12 @@ class LLMEngine:
         } | cost_model_stats(self.cost_model, self.config.block_size, self.scheduler.preemption_mode,
                              b.num_host_blocks, self._mean_request_tokens(s.num_finished)) | self._kv_tier_stats()
 
+    def close_kv_tier(self) -> None:
+        """[kv tier] Persist the pool's cached blocks to a disk tier and stop its writer (idempotent; no tier: nothing)."""
+        if self.kv_connector is not None:
+            from kvpage.kv_offload import close_offloading
+            close_offloading(self.runner, self.kv_connector, self.block_manager)
+
     def _kv_tier_stats(self) -> dict:
         """[kv tier] The tier's counters; prefix_cache_hit_tokens / _rate then count tier hits too (a
         prompt's blocks found in the pool or in the tier, on its first admission)."""

@@ -13,7 +13,8 @@ from .connector import KVConnectorBase, KVConnectorMeta, OffloadingConnector
 from .tiers import DiskTier, HostMemoryTier
 
 __all__ = ["DEFAULT_DISK_TIER_GIB", "DiskTier", "HostMemoryTier", "KVConnectorBase", "KVConnectorMeta",
-           "OffloadingConnector", "attach_offloading", "check_offloading_options"]
+           "OffloadingConnector", "attach_offloading", "check_offloading_options", "close_offloading",
+           "persist_cached_blocks"]
 
 # The disk tier's size when kv_offloading_dir is given without kv_offloading_size.
 DEFAULT_DISK_TIER_GIB = 4.0
@@ -77,15 +78,24 @@ def persist_cached_blocks(worker, connector, block_manager) -> int:
     return len(stores)
 
 
+def close_offloading(worker, connector, block_manager) -> None:
+    """A disk tier's end (LLM.shutdown, interpreter exit): persist the pool's cached blocks, then stop the
+    writer; again: nothing. A host tier just ends."""
+    tier = connector.tier
+    if isinstance(tier, DiskTier) and not tier.closed:
+        try:
+            persist_cached_blocks(worker, connector, block_manager)
+        finally:
+            tier.close()
+
+
 def _persist_at_exit(worker, connector, block_manager) -> None:
+    """close_offloading at interpreter exit, for an engine still alive then that nobody shut down."""
     refs = (weakref.ref(worker), weakref.ref(connector), weakref.ref(block_manager))
 
     def persist() -> None:
         objs = [r() for r in refs]
         if None not in objs:
-            try:
-                persist_cached_blocks(*objs)
-            finally:
-                objs[1].tier.close()
+            close_offloading(*objs)
 
     atexit.register(persist)

@@ -70,8 +70,9 @@ class KVOffloadWorker:
         """Each block's payload (every cache tensor's slice of it, in order)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors]
-        staging = torch.cat(parts, dim=1).cpu()
-        return [staging[i].numpy().tobytes() for i in range(len(block_ids))]
+        staging = torch.cat(parts, dim=1).cpu().numpy()
+        # Views of this step's own staging buffer (no copy; the disk writer holds it until written).
+        return [staging[i].data for i in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         for payload in payloads:
@@ -79,13 +80,13 @@ class KVOffloadWorker:
                 raise ValueError(f"a KV block payload of {len(payload)} bytes; this cache's blocks take"
                                  f" {self.bytes_per_block}")
         n = len(block_ids)
-        staging = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
-        staging = staging.to(self._device, non_blocking=False)
+        # One host copy (the join), one copy into the cache per tensor (strided rows: no gather first).
+        staging = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8).view(n, -1)
+        staging = staging.to(self._device)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         offset = 0
         for t, nbytes in zip(self._tensors, self._nbytes):
-            chunk = staging[:, offset:offset + nbytes].contiguous().view(t.dtype).view(n, *t.shape[1:])
-            t.index_copy_(0, ids, chunk)
+            t.index_copy_(0, ids, staging[:, offset:offset + nbytes].view(t.dtype).unflatten(1, t.shape[1:]))
             offset += nbytes
 
 

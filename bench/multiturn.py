@@ -1,0 +1,175 @@
+"""Multi-turn chat and restart through `kvpage serve` with the OpenAI client: the KV offload tier (issue 48).
+
+Multi-turn: N conversations of T turns, interleaved (turn 1 of every conversation, then turn 2, ...), one
+request at a time; each turn appends a user message of --user-tokens tokens to the whole history (the
+earlier turns and their answers). The KV pool holds about a quarter of the conversations' KV at their last
+turn (at least one conversation), so by the time a conversation comes back its blocks were evicted: with the
+tier off they are recomputed, with it on (a disk tier, the CPU's second tier) they are loaded. Reported per
+turn: median TTFT (streamed, to the first content chunk) and cached tokens (the final chunk's usage,
+prompt_tokens_details.cached_tokens).
+
+Restart: a question about a --doc-tokens document, cold on a fresh server, then asked again after the server
+restarted with the same --kv-offloading-dir (the first server persists its cached blocks at exit).
+
+Targets (issue 48): turn-T TTFT <= 1.5x turn-1 TTFT with the tier, and >= 3x lower than without; restart
+TTFT >= 5x lower than cold.
+
+    python bench/multiturn.py [--conversations 6] [--turns 10] [--user-tokens 200] [--doc-tokens 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_model_argument, model_dir  # noqa: E402
+from serve import MODEL_NAME, ROOT, Server, start_server  # noqa: E402
+
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an"
+         " they you were her she there been one all we their has would when if so no what up said out about more"
+         " into them can only other time new some could these two may first then do any like my now over such our"
+         " man me even most made after also did many off before must well back through years much where your way"
+         " down should because long each just state people those too how little good very make world still own see"
+         " men work last might here thought while system under day river garden engine cache memory block token").split()
+
+
+def text_of(tokenizer, num_tokens: int, rng: random.Random) -> str:
+    """Plain English-ish words, about num_tokens tokens of the model's tokenizer."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words))) < num_tokens:
+        words += [rng.choice(WORDS) for _ in range(16)]
+        if rng.random() < 0.3:
+            words[-1] += "."
+    return " ".join(words)
+
+
+def start_kvpage(model: Path, log_dir: Path, name: str, num_kv_blocks: int, block_size: int,
+                 tier_dir: str | None) -> Server:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    extra = ["--kv-offloading-dir", tier_dir] if tier_dir else []
+    return start_server(name, lambda port: [sys.executable, "-m", "kvpage", "serve", str(model), "--port", str(port),
+                                            "--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks),
+                                            "--block-size", str(block_size), "--swap-space-gib", "0", *extra],
+                        env, log_dir)
+
+
+def ask(client, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
+    """(TTFT in seconds, cached prompt tokens, the answer) of one streamed chat completion."""
+    start = time.perf_counter()
+    ttft, cached, parts = None, None, []
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
+                                            temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            details = chunk.usage.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else 0
+    return ttft if ttft is not None else time.perf_counter() - start, cached or 0, "".join(parts)
+
+
+def run_conversations(server: Server, users: list[list[str]], max_tokens: int) -> list[dict]:
+    """Per turn: median TTFT and mean cached tokens over the conversations."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+    ask(client, [{"role": "user", "content": "Hello"}], 2)  # warm-up, outside the figures
+    histories: list[list[dict]] = [[] for _ in users]
+    turns = []
+    for t in range(len(users[0])):
+        ttfts, cached = [], []
+        for c, history in enumerate(histories):
+            history.append({"role": "user", "content": users[c][t]})
+            ttft, hit, answer = ask(client, history, max_tokens)
+            history.append({"role": "assistant", "content": answer})
+            ttfts.append(ttft)
+            cached.append(hit)
+        turns.append({"turn": t + 1, "ttft_s": statistics.median(ttfts), "cached_tokens": statistics.mean(cached)})
+        print(f"  {server.name}: turn {t + 1}: median TTFT {turns[-1]['ttft_s'] * 1e3:.0f} ms, cached tokens"
+              f" {turns[-1]['cached_tokens']:.0f}", flush=True)
+    return turns
+
+
+def restart_run(model: Path, log_dir: Path, num_kv_blocks: int, block_size: int, document: str,
+                max_tokens: int) -> dict:
+    from openai import OpenAI
+
+    tier_dir = tempfile.mkdtemp(prefix="kvpage-restart-")
+    question = [{"role": "user", "content": document + "\n\nIn one sentence: what is this document about?"}]
+    result = {}
+    for label in ("cold", "after_restart"):
+        server = start_kvpage(model, log_dir, f"kvpage restart {label}", num_kv_blocks, block_size, tier_dir)
+        try:
+            client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+            ask(client, [{"role": "user", "content": "Hello"}], 2)
+            ttft, cached, _ = ask(client, question, max_tokens)
+        finally:
+            server.stop()  # SIGTERM: a clean exit, which persists the pool's cached blocks to the tier
+        result[label] = {"ttft_s": ttft, "cached_tokens": cached}
+        print(f"  restart run, {label}: TTFT {ttft * 1e3:.0f} ms, cached tokens {cached}", flush=True)
+    return result
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--user-tokens", type=int, default=200, help="tokens each turn's user message adds")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens of each answer")
+    parser.add_argument("--doc-tokens", type=int, default=2000, help="the restart run's document")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--skip-restart", action="store_true")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    model = model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    users = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
+    per_conversation = args.turns * (args.user_tokens + args.max_tokens + 16)  # + chat-template tokens per turn
+    total = args.conversations * per_conversation
+    num_kv_blocks = max(total // 4, per_conversation + 4 * args.block_size) // args.block_size
+    share = num_kv_blocks * args.block_size / total
+    print(f"{args.conversations} conversations x {args.turns} turns, ~{per_conversation} tokens each at the last"
+          f" turn; KV pool of {num_kv_blocks} blocks x {args.block_size} tokens (~{share:.0%} of all conversations'"
+          " KV)", flush=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvpage-multiturn-"))
+    results = {"config": vars(args) | {"num_kv_blocks": num_kv_blocks}}
+    for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
+        server = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier)
+        try:
+            results[label] = run_conversations(server, users, args.max_tokens)
+        finally:
+            server.stop()
+    on, off = results["tier_on"], results["tier_off"]
+    results["turn_last_over_turn_1_tier_on"] = on[-1]["ttft_s"] / on[0]["ttft_s"]
+    results["turn_last_off_over_on"] = off[-1]["ttft_s"] / on[-1]["ttft_s"]
+    print(f"tier on: turn-{args.turns} TTFT / turn-1 TTFT = {results['turn_last_over_turn_1_tier_on']:.2f}"
+          f" (target <= 1.5); turn {args.turns}: tier off / tier on = {results['turn_last_off_over_on']:.2f}x"
+          " (target >= 3)")
+    if not args.skip_restart:
+        document = text_of(tokenizer, args.doc_tokens, random.Random(1))
+        restart = restart_run(model, log_dir, max(num_kv_blocks, args.doc_tokens // args.block_size + 32),
+                              args.block_size, document, args.max_tokens)
+        restart["cold_over_restart"] = restart["cold"]["ttft_s"] / restart["after_restart"]["ttft_s"]
+        results["restart"] = restart
+        print(f"restart: cold TTFT / TTFT after restart = {restart['cold_over_restart']:.2f}x (target >= 5)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
