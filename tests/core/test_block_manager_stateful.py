@@ -122,6 +122,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.fork(parent, child)
         group.append(child)
 
+    @precondition(lambda self: self._groups(swapped=False))
+    @rule(data=st.data(), tokens=st.tuples(VOCAB, VOCAB))
+    def fork_and_decode_both(self, data, tokens):
+        """n > 1 and beam search: a child forked from a computed parent, and both decode in one step,
+        each into the partly filled block they share: copy-on-write in every group."""
+        group = data.draw(st.sampled_from(self._groups(swapped=False)))
+        parent = data.draw(st.sampled_from(group))
+        if len(group) >= 4 or parent.num_computed_tokens < len(parent.token_ids):
+            return
+        child = parent.fork(self.next_id)
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        group.append(child)
+        pair = [parent, child]
+        for seq, token in zip(pair, tokens):
+            seq.append_token(token)
+        if not self.bm.can_append_slots(pair, 1):
+            return
+        for seq in pair:  # the step's appends, then its forward pass
+            self._copy(self.device_kv, self.device_kv, self.bm.append_slots(seq, 1))
+        for seq in pair:
+            self._run(seq, 1)
+
     @precondition(lambda self: self.groups)
     @rule(data=st.data())
     def free(self, data):

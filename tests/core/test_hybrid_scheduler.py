@@ -54,7 +54,7 @@ def test_sequences_many_windows_long_fit_where_full_tables_could_not(layout):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_in_both_modes(layout, mode):
     arrivals = _long_workload(2, num_requests=10, prompt_len=30, max_tokens=30, n=1)
-    arrivals += _long_workload(3, num_requests=3, prompt_len=12, max_tokens=20, n=2)
+    arrivals += _long_workload(3, num_requests=3, prompt_len=13, max_tokens=20, n=2)  # forks share a partial block
     arrivals = [Arrival(i % 5, f"q{i}", a.prompt, a.max_tokens, a.n) for i, a in enumerate(arrivals)]
     # Room for two of the longest at their peak, while eight may run: growing decodes must preempt.
     bm = BlockManager(2 * num_blocks_per_seq(layout, 60, 4, 24), 4, num_host_blocks=1000, kv_cache_layout=layout)
