@@ -224,3 +224,20 @@ def test_client_gone_before_a_whole_response_aborts_it(small_llm):
             assert after["kvpage:generation_tokens_total"] - before < 200
     finally:
         del runner.execute
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_error_json(small_llm, monkeypatch):
+    """A bug (here: the tokenizer raising something no check expects) is still answered in OpenAI's error
+    JSON, not Starlette's text/plain 500."""
+    with running_server(small_llm) as (url, app):
+        ctx = app.state.ctx
+
+        class _Broken:
+            def __getattr__(self, name):
+                raise RuntimeError("injected tokenizer bug")
+        monkeypatch.setattr(ctx, "tokenizer", _Broken())
+        status, body = post(url + COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+        assert status == 500 and body["error"]["code"] == "internal_error"
+        assert "injected tokenizer bug" in body["error"]["message"]
+        monkeypatch.undo()
+        assert post(url + COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})[0] == 200

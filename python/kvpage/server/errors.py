@@ -89,3 +89,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineStepError)
     async def _failed(request: Request, exc: EngineStepError):
         return error_response(str(exc), 500, code="engine_error")
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        # Anything else is a bug (Starlette logs the traceback): the client still gets OpenAI's error JSON,
+        # not a text/plain 500, which the openai client would take for a transient failure and retry.
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500, code="internal_error")
