@@ -154,13 +154,18 @@ def test_beam_search_matches_hf(family):
 
 def test_what_the_kernels_cannot_compute_is_refused_by_name():
     """A layer type without a kernel (Llama 4's chunked attention), bidirectional attention (Gemma 3's
-    use_bidirectional_attention), sinks that are not one per query head: refused before any step runs."""
+    use_bidirectional_attention), a layer whose own window is not its config's (the KV-cache groups would
+    free blocks it reads), sinks that are not one per query head: refused before any step runs."""
     chunked = family_model("qwen2_sliding")
     chunked.config.layer_types = ["full_attention", "chunked_attention", "sliding_attention"]
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         ModelRunner(chunked, num_kv_blocks=8)
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
         ModelRunner(family_model("gemma3", use_bidirectional_attention=True), num_kv_blocks=8)
+    mismatched = family_model("gemma2")
+    mismatched.model.layers[1].self_attn.sliding_window = 16  # a full-attention layer by its config
+    with pytest.raises(NotImplementedError, match="layer 1 attends within a window of 16, its config says None"):
+        ModelRunner(mismatched, num_kv_blocks=8)
     gpt_oss = family_model("gpt_oss")
     gpt_oss.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(3))
     runner = ModelRunner(gpt_oss, num_kv_blocks=8, block_size=16)  # one full group: one table per sequence

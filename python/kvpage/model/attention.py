@@ -174,6 +174,9 @@ class HFForward:
 
     model: torch.nn.Module
 
+    def __post_init__(self) -> None:
+        check_layer_windows(self.model)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                  kv_caches: list) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flat batch input_ids / positions [T]."""
@@ -183,6 +186,18 @@ class HFForward:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return final_logits(self.model, self.model.get_output_embeddings()(hidden))
+
+
+def check_layer_windows(model: torch.nn.Module) -> None:
+    """NotImplementedError where an attention module's own sliding_window differs from the one
+    layer_sliding_windows gives its layer: the KV-cache groups (and the blocks a window group frees) follow
+    the latter, the kernels the former, so a mismatch would read blocks already given back."""
+    windows = layer_sliding_windows(model.config)
+    for module in model.modules():
+        layer, own = getattr(module, "layer_idx", None), getattr(module, "sliding_window", None)
+        if isinstance(layer, int) and own is not None and 0 <= layer < len(windows) and (own or None) != windows[layer]:
+            raise NotImplementedError(f"{type(module).__name__} of layer {layer} attends within a window of {own},"
+                                      f" its config says {windows[layer]}: kvpage cannot tell which this model uses")
 
 
 def final_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
