@@ -12,6 +12,7 @@ import sys
 from array import array
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
@@ -144,3 +145,18 @@ def _entry(tokens, i, bs):
     seq = Sequence(0, tokens)
     key = block_key(seq, i, bs)
     return block_hash(seq, i, bs), key, key.token_bytes
+
+
+def test_unsupported_layouts_are_refused_by_name():
+    from kvpage.core import kv_cache_layout
+    from kvpage.kv_offload import attach_offloading
+
+    hybrid = BlockManager(32, 4, kv_cache_layout=kv_cache_layout([None, 8]))
+    with pytest.raises(ValueError, match="hybrid KV cache"):
+        attach_offloading(object(), None, hybrid, Scheduler(hybrid), 0.01, None)
+    no_cache = BlockManager(32, 4, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        attach_offloading(object(), None, no_cache, Scheduler(no_cache), 0.01, None)
+    plain = BlockManager(32, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # a TP driver holds no cache of its own
+        attach_offloading(object(), None, plain, Scheduler(plain), 0.01, None)
