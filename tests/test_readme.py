@@ -64,6 +64,15 @@ def test_set_up_block_is_the_ci_command():
     assert 'pip install -e ".[test]"' in second  # on a fresh machine it installs everything itself
 
 
+def test_set_up_check_passes_once_installed():
+    """The test command's guard (before its ||) succeeds where kvpage and its test extra are installed, as here:
+    after the first command it reinstalls nothing."""
+    first_block = code_blocks("bash")[0].splitlines()
+    check = first_block[1].split("||")[0].replace("2>/dev/null", "")
+    run = subprocess.run(["bash", "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_curl_body_is_a_valid_request():
     from kvpage.server.protocol import ChatCompletionRequest
 
