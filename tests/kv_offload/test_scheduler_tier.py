@@ -42,14 +42,18 @@ class TierFakeRunner(FakeRunner):
         super().__init__(scheduler.bm.block_size)
         self.scheduler, self.tier, self.fail_steps = scheduler, tier, set(fail_steps)
         self.num_loads = 0
+        scheduler.fake_runner = self
+
+    def save(self, stores):
+        for block_hash, key, block_id in stores:
+            contents = self._block(self.device, block_id)
+            assert encode(contents) == key.token_bytes, "a stored block's bytes are not its key's tokens"
+            self.tier.put(block_hash, key, encode(contents))
 
     def execute(self, out, expected_tokens=None):
         meta = out.kv_connector_meta
         if meta is not None:
-            for block_hash, key, block_id in meta.stores:
-                contents = self._block(self.device, block_id)
-                assert encode(contents) == key.token_bytes, "an evicted block's bytes are not its key's tokens"
-                self.tier.put(block_hash, key, encode(contents))
+            self.save(meta.stores)
             for block_id, payload in meta.loads:
                 self.device[block_id] = decode(payload)
                 self.num_loads += 1
@@ -58,12 +62,14 @@ class TierFakeRunner(FakeRunner):
         return super().execute(out, expected_tokens)
 
 
-def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, **kwargs):
+def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write_through=False, **kwargs):
     bm = BlockManager(num_blocks, block_size, num_host_blocks, True, 0.0)
     s = Scheduler(bm, **kwargs)
     tier = HostMemoryTier(tier_blocks * block_size * 8)
     connector = OffloadingConnector(tier, block_size)
     s.kv_connector = connector
+    if write_through:  # the runner made below saves the blocks each step filled
+        connector.save_now = lambda stores: s.fake_runner.save(stores)
 
     def on_evict(block_hash, key, block_id):
         # Nothing is evicted from the pool while a sequence holds it.
@@ -91,14 +97,14 @@ arrival = st.builds(lambda step, prefix, suffix, max_tokens, n: (step, prefix + 
 @given(arrivals=st.lists(arrival, min_size=1, max_size=12), block_size=st.sampled_from([1, 2, 4]),
        num_blocks=st.integers(24, 60), num_host_blocks=st.integers(0, 30), tier_blocks=st.integers(1, 64),
        max_num_batched_tokens=st.integers(4, 48), mode=st.sampled_from([None, "swap", "recompute"]),
-       fail_steps=st.sets(st.integers(0, 60), max_size=3))
+       fail_steps=st.sets(st.integers(0, 60), max_size=3), write_through=st.booleans())
 def test_random_workloads_through_a_tier(arrivals, block_size, num_blocks, num_host_blocks, tier_blocks,
-                                         max_num_batched_tokens, mode, fail_steps):
+                                         max_num_batched_tokens, mode, fail_steps, write_through):
     # Each prompt comes twice, the second time late, so its blocks were likely evicted to the tier meanwhile.
     arrivals = arrivals + [(step + 40, prompt, max_tokens, n) for step, prompt, max_tokens, n in arrivals]
     arrivals = [Arrival(step, f"r{i}", [p % 10 for p in prompt] or [1], max_tokens, n)
                 for i, (step, prompt, max_tokens, n) in enumerate(arrivals)]
-    s, tier, connector = tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks,
+    s, tier, connector = tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write_through,
                                           max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
                                           preemption_mode=mode)
     runner = TierFakeRunner(s, tier, fail_steps)

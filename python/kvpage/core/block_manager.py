@@ -422,6 +422,11 @@ class BlockManager:
     def restore_counters(self, counters: tuple[int, ...]) -> None:
         self._queried_tokens, self._hit_tokens, self._num_cow, self._swapped_out, self._swapped_in = counters
 
+    def blocks_indexed_this_step(self) -> list[int]:
+        """[kv tier] Device blocks that became prefix-cache entries since begin_step(): once the step has run
+        (update_from_output), each holds its entry's K/V, which a KV offload tier stores (write-through)."""
+        return list(self._indexed_this_step)
+
     def undo_step_indexing(self) -> None:
         """Take back the prefix-cache entries made since begin_step(): a swap-in indexes its device
         blocks before the step copies anything into them, so a step taken back leaves them empty."""

@@ -416,6 +416,8 @@ class Scheduler:
         except Exception:
             self._recover_after_run(out)
             raise
+        if self.kv_connector is not None:  # [kv tier] the blocks this step filled are now worth keeping
+            self.kv_connector.on_step_computed(self.bm)
         return finished
 
     def _commit(self, live, tokens: dict[int, list[int]], selections: list[tuple[Request, BeamStep]]) -> list[Request]:

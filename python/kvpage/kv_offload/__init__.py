@@ -57,8 +57,8 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
         tier = DiskTier(kv_offloading_dir, fingerprint, capacity)
     else:
         tier = HostMemoryTier(capacity)
-    connector = OffloadingConnector(tier, block_manager.block_size)
     worker = KVOffloadWorker(runner, tier)
+    connector = OffloadingConnector(tier, block_manager.block_size, save_now=worker.save)
     block_manager.device.cache.on_evict = connector.on_evict
     scheduler.kv_connector = connector
     if isinstance(tier, DiskTier):

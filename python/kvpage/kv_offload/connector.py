@@ -49,6 +49,9 @@ class KVConnectorBase:
     def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
         pass
 
+    def on_step_computed(self, block_manager) -> None:
+        pass
+
     def begin_step(self) -> None:
         pass
 
@@ -60,9 +63,13 @@ class OffloadingConnector(KVConnectorBase):
     """A tier (kv_offload.tiers) behind the pool's prefix cache: evicted blocks are stored into it, and
     a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
 
-    def __init__(self, tier, block_size: int) -> None:
+    def __init__(self, tier, block_size: int, save_now=None) -> None:
+        """save_now(stores): the worker's save, called right after a step committed with the blocks it
+        filled (write-through: a process killed right after still leaves them in a disk tier). None: blocks
+        reach the tier only when the pool evicts them."""
         self.tier = tier
         self.block_size = block_size
+        self.save_now = save_now
         # The payloads the last lookup of each sequence verified (read once, loaded after allocation).
         self._matched: dict[int, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, bytes]] = []
@@ -122,6 +129,22 @@ class OffloadingConnector(KVConnectorBase):
         elif block_hash not in self._storing:
             self._storing.add(block_hash)
             self._stores.append((block_hash, key, block_id))
+
+    def on_step_computed(self, block_manager) -> None:
+        """After update_from_output: store the blocks the step indexed (computed, loaded or swapped in: all
+        hold their K/V now) that the tier lacks. Nothing can overwrite them before the next schedule()."""
+        if self.save_now is None:
+            return
+        cache = block_manager.device.cache
+        stores = []
+        for block_id in block_manager.blocks_indexed_this_step():
+            block_hash, key = cache.hash_of(block_id), cache.key_of(block_id)
+            if block_hash is None or key.group or block_hash in self._storing or self.tier.contains(block_hash):
+                continue
+            stores.append((block_hash, key, block_id))
+        if stores:
+            self.save_now(stores)
+            self.stored_blocks += len(stores)
 
     def begin_step(self) -> None:
         # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
