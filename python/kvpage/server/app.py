@@ -116,13 +116,14 @@ def _tokenizer_routes(ctx: ServingContext, vocab_size: int | None) -> APIRouter:
 
 def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None,
               max_waiting_requests: int | None = None, max_request_body_bytes: int | None = None,
-              metrics_without_auth: bool = False, tokenizer_workers: int = 2) -> FastAPI:
+              metrics_without_auth: bool = False, tokenizer_workers: int = 2, on_engine_dead=None) -> FastAPI:
     """The server over a kvpage.LLM: its engine then belongs to the app's engine loop (no other
     caller may step it while the app runs). max_request_body_bytes: a larger body is answered 413
     (default: default_max_request_body_bytes of max_model_len). tokenizer_workers: the threads that
-    tokenize, template and detokenize (few: they share the CPU with the engine's steps)."""
+    tokenize, template and detokenize (few: they share the CPU with the engine's steps). on_engine_dead(error):
+    called if the engine loop dies (its requests already failed, /health 503); `kvpage serve` exits on it."""
     engine = llm.llm_engine
-    engine_loop = EngineLoop(engine, max_waiting_requests)
+    engine_loop = EngineLoop(engine, max_waiting_requests, on_dead=on_engine_dead)
     pool = ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="kvpage-tokenizer")
     ctx = ServingContext(engine_loop, llm.tokenizer, served_model_name, engine.config.max_model_len,
                          ServerMetrics(engine_loop, served_model_name), llm.default_sampling_fields, pool)

@@ -67,14 +67,24 @@ def run_server(args) -> None:
     sock = bind(args.host, args.port)  # before the model loads: a busy port is told in a second, not a minute
     try:
         llm = kvpage.LLM(model=args.model, **engine_kwargs(args))
+        died: list[Exception] = []
+
+        def exit_on_engine_death(error: Exception) -> None:
+            # Its requests were failed already; uvicorn closes the connections and returns: status 1 below,
+            # so that a supervisor restarts the server rather than it answering 503 forever.
+            died.append(error)
+            server.should_exit = True
         try:
             app = build_app(llm, model_name(args), api_key=args.api_key,
                             max_waiting_requests=args.max_waiting_requests,
                             max_request_body_bytes=args.max_request_body_bytes,
-                            metrics_without_auth=args.metrics_without_auth)
+                            metrics_without_auth=args.metrics_without_auth, on_engine_dead=exit_on_engine_death)
             logger.warning("kvpage serve: %s on http://%s:%d/v1", model_name(args), args.host, args.port)
             logger.warning("kvpage serve: %s", describe_sampling_defaults(llm.default_sampling_fields))
-            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+            server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
+            server.run(sockets=[sock])
+            if died:
+                raise SystemExit(f"kvpage serve: error: {died[0]}")
         finally:
             llm.shutdown()
     finally:

@@ -4,6 +4,12 @@ asyncio queue of their own event loop.
 
 Only this thread calls add_request, step and abort_request, so the engine needs no locks. Commands
 queued during a step are applied before the next one: new requests join the running batch there.
+
+A step's outputs reach each event loop in one wake-up (one call_soon_threadsafe for the whole batch, not
+one per request), and the engine's incremental detokenization runs here, in the step: the event loop only
+frames and writes what it is handed. Should the thread die anyway (a BaseException out of a step), every
+request in flight and every submission still queued is told (EngineDead), nothing waits forever, and
+on_dead runs (`kvpage serve` exits, so that a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ class QueueFull(Exception):
 
 class EngineStepError(Exception):
     """A step failed inside the engine; the request it reaches was withdrawn."""
+
+
+class EngineDead(EngineStepError):
+    """The engine loop is not running (it died, or the server is shutting down): HTTP 503."""
 
 
 @dataclass
@@ -55,12 +65,21 @@ class _Sink:
         return True
 
 
+def _deliver(items: list) -> None:
+    """On the event loop: a step's outputs into their requests' queues, in one wake-up."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, engine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine, max_waiting_requests: int | None = None, on_dead=None) -> None:
+        """on_dead(error): called on the loop thread if it dies (after every request was told)."""
         self.engine = engine
+        self.on_dead = on_dead
+        self.dead: EngineDead | None = None  # set once the thread died
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -86,22 +105,22 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     async def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                           cache_salt: str | None, outputs: asyncio.Queue) -> None:
         """Queue a request; its RequestOutputs (or an EngineStepError) arrive on `outputs`. Raises
         QueueFull, or add_request's ValueError / TypeError for a request the engine refuses."""
-        if not self.is_alive:
-            raise EngineStepError("the engine loop is not running")
-        with self._lock:
+        command = _Add(request_id, prompt, token_ids, params, cache_salt,
+                       _Sink(asyncio.get_running_loop(), outputs))
+        with self._lock:  # the dying thread sets `dead` under it, then fails what was queued before
+            if not self.is_alive:
+                raise self.dead or EngineDead("the engine loop is not running")
             limit = self.max_waiting_requests
             if limit is not None and self._queued + self._engine_waiting >= limit:
                 raise QueueFull(f"the server's waiting queue is full ({limit} requests, --max-waiting-requests)")
             self._queued += 1
-        command = _Add(request_id, prompt, token_ids, params, cache_salt,
-                       _Sink(asyncio.get_running_loop(), outputs))
-        self._commands.put(command)
+            self._commands.put(command)
         try:
             await asyncio.wrap_future(command.done)
         except asyncio.CancelledError:
@@ -117,6 +136,34 @@ class EngineLoop:
     # -- the loop (its own thread) --------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: B036 (whatever ends the thread, nobody may wait forever)
+            self._die(e)
+
+    def _die(self, cause: BaseException) -> None:
+        logger.critical("kvpage server: the engine loop died (%s: %s); every request in flight is failed",
+                        type(cause).__name__, cause, exc_info=cause)
+        error = EngineDead(f"the engine loop died ({type(cause).__name__}: {cause}); the server is restarting or"
+                           " exiting")
+        with self._lock:
+            self.dead = error
+        commands = self._take_commands(block=False)
+        for c in commands:
+            if isinstance(c, _Add) and c.done.set_running_or_notify_cancel():
+                c.done.set_exception(error)
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.put(error)
+        try:  # their blocks back, where the engine still can (an embedding application may go on with it)
+            self.engine.abort_request(list(sinks))
+            self._publish()
+        except BaseException:  # noqa: B036
+            logger.exception("kvpage server: withdrawing the requests of the dead engine loop failed")
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
@@ -188,20 +235,31 @@ class EngineLoop:
                        self.engine.failed_request_ids)
             return
         self._publish()  # before the outputs: a client that saw its request end sees it in /metrics too
-        gone = []
+        gone = self._hand_over(outputs)
+        if gone:
+            self._fail(EngineStepError("the request's event loop is closed"), gone)
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> list[str]:
+        """The step's outputs to their event loops, one call_soon_threadsafe per loop; returns the
+        unfinished requests whose loop is gone (closed by an embedding application)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            if not sink.put(out) and not out.finished:
-                gone.append(out.request_id)
-        if gone:
-            self._fail(EngineStepError("the request's event loop is closed"), gone)
+            batches.setdefault(sink.loop, []).append((sink.queue, out))
+        gone = []
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                gone += [out.request_id for _, out in items if not out.finished]
+        return gone
 
     def _close(self, commands: list) -> None:
-        error = EngineStepError("the server is shutting down")
+        error = EngineDead("the server is shutting down")
         for c in commands:
             if isinstance(c, _Add) and c.done.set_running_or_notify_cancel():
                 c.done.set_exception(error)

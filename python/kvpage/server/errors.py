@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .engine_loop import EngineStepError, QueueFull
+from .engine_loop import EngineDead, EngineStepError, QueueFull
 from .protocol import error_body
 
 
@@ -89,6 +89,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineStepError)
     async def _failed(request: Request, exc: EngineStepError):
         return error_response(str(exc), 500, code="engine_error")
+
+    @app.exception_handler(EngineDead)  # the engine loop died or the server is stopping: retry elsewhere
+    async def _dead(request: Request, exc: EngineDead):
+        return error_response(str(exc), 503, code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):

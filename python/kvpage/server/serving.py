@@ -15,7 +15,7 @@ from kvpage.engine.generation_defaults import fill_defaults
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
 from kvpage.engine.sampling_params import SamplingParams
 
-from .engine_loop import EngineLoop, EngineStepError
+from .engine_loop import EngineDead, EngineLoop, EngineStepError
 from .errors import RequestError, field_named_in
 from .metrics import ServerMetrics
 from .protocol import error_body, logit_bias_token_ids
@@ -237,4 +237,6 @@ def sse(payload: dict | str) -> str:
 def sse_error(error: Exception) -> str:
     if isinstance(error, RequestError):
         return sse(error_body(error.message, error.status, error.param, error.code))
+    if isinstance(error, EngineDead):
+        return sse(error_body(str(error), 503, code="engine_dead"))
     return sse(error_body(str(error), 500, code="engine_error"))
