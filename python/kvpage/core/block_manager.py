@@ -305,7 +305,7 @@ class BlockManager:
         """
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        table = seq.block_table
+        table = seq.block_tables[0]  # not the block_table property: a call per token adds up
         if num_new_tokens < 1 or end > len(seq.token_ids) or not table or seq.swapped:
             self._reject_append(seq, num_new_tokens)
         bs = self.block_size
@@ -353,7 +353,7 @@ class BlockManager:
         old = seq.num_computed_tokens
         new = old + num_new_tokens
         bs = self.block_size
-        if num_new_tokens < 0 or new > len(seq.token_ids) or new > len(seq.block_table) * bs or seq.swapped:
+        if num_new_tokens < 0 or new > len(seq.token_ids) or new > len(seq.block_tables[0]) * bs or seq.swapped:
             raise ValueError(f"num_new_tokens={num_new_tokens} for seq {seq.seq_id}: it has"
                              f" {len(seq.token_ids) - old} uncomputed tokens and slots up to"
                              f" {len(seq.block_table) * bs}" + (" (swapped out)" if seq.swapped else ""))
