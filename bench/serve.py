@@ -24,6 +24,9 @@ median round, and the ratios as medians of the per-round ratios.
     python bench/serve.py           # the default model: 32 requests x 128 prompt + 32 output tokens, 3 rounds
     python bench/serve.py --vllm    # and `vllm serve` on the same requests
     python bench/serve.py --quick   # a tiny random model, 8 short requests: a smoke test (seconds)
+    # issue 47's workload (vLLM's `vllm bench serve --dataset-name random`): 64 and 256 requests of 256 + 128
+    # tokens at once, then 4 req/s Poisson arrivals (TTFT, TPOT and ITL: every gap between streamed chunks)
+    python bench/serve.py --vllm --input-len 256 --output-len 128 --saturation 64,256 --request-rate 4
 
 Writes bench/results/serve.json (serve_quick.json) and serve.png and prints a table.
 """
@@ -158,19 +161,21 @@ def start_vllm(model_dir: Path, log_dir: Path) -> Server:
 async def _one(client, prompt: list[int], output_len: int, delay: float) -> dict:
     await asyncio.sleep(delay)
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, chunk_times = None, 0, []
     stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=output_len, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            chunk_times.append(time.perf_counter())
+            first = chunk_times[0]
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
     first = first if first is not None else end
     return {"start": start, "end": end, "ttft": first - start, "tokens": tokens,
-            "tpot": (end - first) / (tokens - 1) if tokens > 1 else None}
+            "tpot": (end - first) / (tokens - 1) if tokens > 1 else None,
+            "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])]}
 
 
 async def _drive(url: str, prompts: list, output_len: int, rate: float | None, seed: int) -> list[dict]:
@@ -189,7 +194,8 @@ def summarise(results: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in results)
     ttfts = sorted(r["ttft"] for r in results)
     tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+    itls = sorted(gap for r in results for gap in r["itl"]) or [0.0]  # vLLM's ITL: every gap between chunks
+    return {"itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "req_s": len(results) / seconds, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99)}
 
@@ -216,7 +222,8 @@ def _timed(server: Server, prompts: list, output_len: int, rate: float | None = 
     return result
 
 
-def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool) -> dict:
+def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool, levels: list[int],
+               rate: float | None = None) -> dict:
     """Offline and the saturated servers in turns, then the servers at half the slower one's request rate."""
     llm = kvpage.LLM(model=str(model_dir))
     servers, skipped, log_dir = [], None, RESULTS_DIR / "serve_logs"  # the servers' logs stay for a post-mortem
@@ -229,35 +236,60 @@ def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vll
             except (RuntimeError, OSError) as e:  # reported, not fatal: kvpage runs alone
                 skipped = str(e)
                 print(f"vllm serve skipped: {skipped}", flush=True)
-        return {**_rounds(llm, servers, requests, output_len, rounds), "vllm_serve_skipped": skipped}
+        return {**_rounds(llm, servers, requests, output_len, rounds, levels, rate), "vllm_serve_skipped": skipped}
     finally:
         for server in servers:
             server.stop()
         llm.shutdown()
 
 
-def _rounds(llm, servers: list[Server], requests, output_len: int, rounds: int) -> dict:
-    warmup = requests(seed=99)[:8]
-    run_offline(llm, warmup, output_len)
-    for server in servers:
-        run_server(server.url, warmup, output_len)
+def _saturated(llm, servers: list[Server], requests, output_len: int, rounds: int, seed: int) -> tuple:
+    """Rounds of offline, then every server, on the same prompts sent all at once: (offline runs, runs per server)."""
     offline, saturation = [], {s.name: [] for s in servers}
     for r in range(rounds):
-        prompts = requests(seed=r + 1)
+        prompts = requests(seed=seed + r)
         wait_until_idle(max_seconds=5)
         offline.append(run_offline(llm, prompts, output_len))
         for server in _turns(servers, r):
             saturation[server.name].append(_timed(server, prompts, output_len))
-    rate = min(median_run(runs)["req_s"] for runs in saturation.values()) / 2
+    return offline, saturation
+
+
+def _saturation_level(offline: list[dict], saturation: dict) -> dict:
+    """One level's medians and ratios: issue 47's targets are kvpage serve >= 0.95x offline, >= 1.2x vllm serve."""
+    kv, vl = "kvpage serve", "vllm serve"
+    level = {"offline": median_run(offline), "server": median_run(saturation[kv]),
+             **_ratios("server_vs_offline", saturation[kv], offline, "output_tok_s")}
+    if vl in saturation:
+        level["vllm_serve"] = median_run(saturation[vl])
+        level.update(_ratios("kvpage_vs_vllm_output_tok_s", saturation[kv], saturation[vl], "output_tok_s"))
+    return level
+
+
+def _rounds(llm, servers: list[Server], requests, output_len: int, rounds: int, levels: list[int],
+            rate: float | None = None) -> dict:
+    """Saturation at each level of requests at once (the first level's figures are the report's), then the
+    servers at a Poisson `rate` (default: half the slower server's saturated request rate at the first level)."""
+    warmup = requests(seed=99, num=8)
+    run_offline(llm, warmup, output_len)
+    for server in servers:
+        run_server(server.url, warmup, output_len)
+    by_level = {}
+    for k, n in enumerate(levels):
+        by_level[n] = _saturated(llm, servers, lambda seed, n=n: requests(seed=seed, num=n), output_len, rounds,
+                                 seed=1 + 1000 * k)
+    offline, saturation = by_level[levels[0]]
+    rate = rate or min(median_run(runs)["req_s"] for runs in saturation.values()) / 2
     moderate = {s.name: [] for s in servers}
     for r in range(rounds):
-        prompts = requests(seed=rounds + r + 1)
+        prompts = requests(seed=500 + r, num=levels[0])
         for server in _turns(servers, r):
             moderate[server.name].append({**_timed(server, prompts, output_len, rate), "request_rate": rate})
     kv = "kvpage serve"
     res = {"offline": median_run(offline),
            "server": {"saturation": median_run(saturation[kv]), "moderate": median_run(moderate[kv], "ttft_p50_s")},
            **_ratios("server_vs_offline", saturation[kv], offline, "output_tok_s"),
+           "saturation_levels": {str(n): _saturation_level(*by_level[n]) for n in levels},
            "rounds": {"offline": offline, "server": saturation[kv], "server_moderate": moderate[kv]}}
     if "vllm serve" in saturation:
         vl = "vllm serve"
@@ -266,8 +298,13 @@ def _rounds(llm, servers: list[Server], requests, output_len: int, rounds: int) 
         res["rounds"].update(vllm_serve=saturation[vl], vllm_serve_moderate=moderate[vl])
         res.update(_ratios("kvpage_vs_vllm_output_tok_s", saturation[kv], saturation[vl], "output_tok_s"))
         res.update(_ratios("kvpage_vs_vllm_moderate_ttft_p50", moderate[kv], moderate[vl], "ttft_p50_s"))
-        res["targets"] = {"output_tok_s_at_saturation_ge_1.2x_vllm": res["kvpage_vs_vllm_output_tok_s"] >= 1.2,
-                          "moderate_ttft_p50_le_vllm": res["kvpage_vs_vllm_moderate_ttft_p50"] <= 1.0}
+        res.update(_ratios("kvpage_vs_vllm_moderate_itl_p99", moderate[kv], moderate[vl], "itl_p99_s"))
+        res["targets"] = {"output_tok_s_at_saturation_ge_1.2x_vllm": all(
+                              level["kvpage_vs_vllm_output_tok_s"] >= 1.2 for level in res["saturation_levels"].values()),
+                          "moderate_ttft_p50_le_vllm": res["kvpage_vs_vllm_moderate_ttft_p50"] <= 1.0,
+                          "moderate_itl_p99_le_vllm": res["kvpage_vs_vllm_moderate_itl_p99"] <= 1.0}
+    res.setdefault("targets", {})["server_ge_0.95x_offline"] = all(
+        level["server_vs_offline"] >= 0.95 for level in res["saturation_levels"].values())
     return res
 
 
@@ -297,17 +334,24 @@ def _rounds_text(res: dict, name: str) -> str:
 
 def report(res: dict, name: str) -> None:
     def fmt(r: dict) -> dict:
-        return {k: (f"{v:.3f}" if k.startswith(("ttft", "tpot")) else f"{v:.1f}") for k, v in r.items()
+        return {k: (f"{v:.3f}" if k.startswith(("ttft", "tpot", "itl")) else f"{v:.1f}") for k, v in r.items()
                 if isinstance(v, float)}
     runs = _runs(res)
     print_table([{"run": label, **fmt(r)} for label, r in runs],
-                ["run", "output_tok_s", "req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"])
-    print("kvpage serve at saturation / offline output tok/s:", _rounds_text(res, "server_vs_offline"))
+                ["run", "output_tok_s", "req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s",
+                 "itl_p99_s"])
+    for n, level in res["saturation_levels"].items():
+        line = f"{n} at once: kvpage serve / offline output tok/s {_rounds_text(level, 'server_vs_offline')}"
+        if "vllm_serve" in level:
+            line += f"; kvpage serve / vllm serve {_rounds_text(level, 'kvpage_vs_vllm_output_tok_s')}"
+        print(line, "(targets >= 0.95x offline, >= 1.2x vllm serve)")
     if "vllm_serve" in res:
         print("kvpage serve / vllm serve output tok/s at saturation:", _rounds_text(res, "kvpage_vs_vllm_output_tok_s"),
               "(target >= 1.2x)")
         print("kvpage serve / vllm serve TTFT p50 at the moderate rate:",
               _rounds_text(res, "kvpage_vs_vllm_moderate_ttft_p50"), "(target <= 1)")
+        print("kvpage serve / vllm serve ITL p99 at the moderate rate:",
+              _rounds_text(res, "kvpage_vs_vllm_moderate_itl_p99"), "(target <= 1)")
     write_json(name, res)
     plot(runs, res, RESULTS_DIR / f"{name}.png")
 
@@ -350,6 +394,12 @@ def main() -> dict:
     parser.add_argument("--input-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}, 1 with --quick")
+    parser.add_argument("--saturation", default=None,
+                        help="comma-separated numbers of requests sent at once, each a saturation level (issue 47:"
+                             " 64,256); default: --num-prompts")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="the Poisson rate (req/s) of the moderate runs (issue 47: 4); default: half the slower"
+                             " server's saturated request rate")
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
@@ -365,11 +415,13 @@ def main() -> dict:
         from kvpage.model.loader import default_model_dir
         model_dir = tiny_model_dir(Path(tmp)) if args.quick else default_model_dir()
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-        res = {"workload": {"num_prompts": num, "input_len": input_len, "output_len": output_len,
+        levels = [int(n) for n in args.saturation.split(",")] if args.saturation else [num]
+        res = {"workload": {"num_prompts": levels[0], "saturation_levels": levels, "input_len": input_len,
+                            "output_len": output_len,
                             "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct"},
                "machine": machine_info()}
-        res.update(run_rounds(model_dir, lambda seed: requests_for(tok, num, input_len, seed), output_len,
-                              args.rounds or (1 if args.quick else ROUNDS), with_vllm))
+        res.update(run_rounds(model_dir, lambda seed, num: requests_for(tok, num, input_len, seed), output_len,
+                              args.rounds or (1 if args.quick else ROUNDS), with_vllm, levels, args.request_rate))
     report(res, "serve_quick" if args.quick else "serve")
     return res
 

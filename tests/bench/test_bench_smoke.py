@@ -53,6 +53,7 @@ SCRIPTS = {
     "example_paged_decode_loop": (["examples/paged_decode_loop.py", "--quick"], None),
     "engine_faults": (["bench/engine_faults.py", "--quick"], "engine_faults_quick.json"),
     "serve": (["bench/serve.py", "--quick"], "serve_quick.json"),
+    "serve_profile": (["bench/serve_profile.py", "--quick"], "serve_profile_quick.json"),
     "kernels_cpu": (["bench/kernels_cpu.py", "--quick"], "kernels_quick.json"),
     "linear": (["bench/linear.py", "--quick"], "linear_quick.json"),
     "scheduler_sim": (["bench/scheduler_sim.py", "--quick"], "scheduler_sim_quick.json"),
