@@ -17,7 +17,7 @@ the same weights with every layer full attention. Block size 16, float32 cache.
 (b) Decode step time: ModelRunner.execute of one decode step of --batch sequences at --context tokens, the
     caches filled with random K/V instead of a 16k-token prefill (the step reads the same bytes either
     way); hybrid and all-full alternate within each round, the median over rounds of each round's ratio.
-Writes bench/results/hybrid_kv.json.
+Writes bench/results/hybrid_kv.json (hybrid_kv_quick.json with --quick).
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def main() -> None:
           f" all-full {dec['all_full_ms']} ms")
     print(f"hybrid / all-full step time: median {dec['ratio_median']:.3f} over {args.rounds} rounds"
           f" {dec['ratio_per_round']} (target <= 0.5)")
-    path = write_json("hybrid_kv", {"args": vars(args), "machine": machine_info(), "capacity": cap, "decode": dec})
+    path = write_json("hybrid_kv_quick" if args.quick else "hybrid_kv", {"args": vars(args), "machine": machine_info(), "capacity": cap, "decode": dec})
     print(f"wrote {path}")
 
 
