@@ -50,6 +50,15 @@ def text_of(tokenizer, num_tokens: int, rng: random.Random) -> str:
     return " ".join(words)
 
 
+def last_turn_tokens(tokenizer, users: list[str], max_tokens: int) -> int:
+    """Prompt plus answer tokens of a conversation's last turn (its answers stood in for by max_tokens words)."""
+    messages = []
+    for text in users:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": " word" * max_tokens}]
+    ids = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    return len(ids) + max_tokens
+
+
 def start_kvpage(model: Path, log_dir: Path, name: str, num_kv_blocks: int, block_size: int,
                  tier_dir: str | None) -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
@@ -138,9 +147,10 @@ def main() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
     users = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
-    per_conversation = args.turns * (args.user_tokens + args.max_tokens + 16)  # + chat-template tokens per turn
+    per_conversation = last_turn_tokens(tokenizer, users[0], args.max_tokens)
     total = args.conversations * per_conversation
-    num_kv_blocks = max(total // 4, per_conversation + 4 * args.block_size) // args.block_size
+    # A quarter of every conversation's KV, but at least one whole last turn (else it could never run).
+    num_kv_blocks = max(total // 4, per_conversation + 8 * args.block_size) // args.block_size
     share = num_kv_blocks * args.block_size / total
     print(f"{args.conversations} conversations x {args.turns} turns, ~{per_conversation} tokens each at the last"
           f" turn; KV pool of {num_kv_blocks} blocks x {args.block_size} tokens (~{share:.0%} of all conversations'"

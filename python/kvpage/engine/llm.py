@@ -86,7 +86,7 @@ class LLM:
         if type(max_logprobs) is not int or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
         check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size)
-        check_offloading_options(kv_offloading_size, kv_offloading_dir)  # [kv tier]
+        check_offloading_options(kv_offloading_size, kv_offloading_dir, tensor_parallel_size)  # [kv tier]
         seed = resolve_seed(seed)
         check_preemption_mode(preemption_mode)
         tokenizer = resolve_tokenizer(tokenizer)

@@ -20,7 +20,7 @@ __all__ = ["DEFAULT_DISK_TIER_GIB", "DiskTier", "HostMemoryTier", "KVConnectorBa
 DEFAULT_DISK_TIER_GIB = 4.0
 
 
-def check_offloading_options(kv_offloading_size, kv_offloading_dir) -> None:
+def check_offloading_options(kv_offloading_size, kv_offloading_dir, tensor_parallel_size: int = 1) -> None:
     """ValueError naming the argument for a value LLM(...) cannot take (checked before the model loads)."""
     if kv_offloading_size is not None and not (isinstance(kv_offloading_size, (int, float))
                                                and not isinstance(kv_offloading_size, bool)
@@ -29,6 +29,9 @@ def check_offloading_options(kv_offloading_size, kv_offloading_dir) -> None:
     if kv_offloading_dir is not None and (not isinstance(kv_offloading_dir, (str, bytes)) and
                                           not hasattr(kv_offloading_dir, "__fspath__") or kv_offloading_dir == ""):
         raise ValueError(f"kv_offloading_dir must be a directory path or None, got {kv_offloading_dir!r}")
+    if tensor_parallel_size > 1 and (kv_offloading_size is not None or kv_offloading_dir is not None):
+        raise ValueError(f"kv_offloading_size / kv_offloading_dir are not supported with tensor_parallel_size > 1"
+                         f" (got {tensor_parallel_size})")
 
 
 def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading_size, kv_offloading_dir):
