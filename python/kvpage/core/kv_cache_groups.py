@@ -96,7 +96,8 @@ def num_blocks_per_group(layout: KVCacheLayout, num_tokens: int, block_size: int
     `max_step_tokens` per step (1: decode; a prefill chunk holds all its blocks while the step runs).
 
     A full group holds every block; a window group of W at most the blocks spanned by the window
-    plus the step's tokens (ceil(W / block_size) + 1 for a decode), never more than a full group."""
+    plus the step's tokens (a decode: W positions, ceil((W - 1) / block_size) + 1 blocks), never more than a
+    full group."""
     if num_tokens < 0 or max_step_tokens < 1 or block_size < 1:
         raise ValueError(f"need num_tokens >= 0, max_step_tokens >= 1 and block_size >= 1, got {num_tokens},"
                          f" {max_step_tokens}, {block_size}")
