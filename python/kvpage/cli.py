@@ -1,7 +1,8 @@
-"""The `kvpage` command: generate, chat, demo, bench, plan.
+"""The `kvpage` command: generate, chat, demo, bench, plan (and serve, kvpage.server.cli_args).
 
 Every flag is checked before the model loads (15-30 s for the default model), without importing torch,
-so a mistake comes back as one line at once; `--help` shows each default."""
+so a mistake comes back as one line at once, a mistyped flag with a suggestion; `--help` shows each default.
+The engine's flags are generated from their one declaration, kvpage.engine.arg_utils."""
 from __future__ import annotations
 
 import argparse
