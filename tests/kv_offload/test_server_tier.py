@@ -44,6 +44,8 @@ def test_cached_tokens_count_tier_hits(tmp_path):
         assert streamed["prompt_tokens_details"]["cached_tokens"] == 56
         metrics = scrape(url)
         assert metrics["kvpage:prefix_cache_hits_total"] >= 112
+        assert metrics["kvpage:kv_offload_hits_total"] >= 112 and metrics["kvpage:kv_offload_loads_total"] >= 28
+        assert metrics["kvpage:kv_offload_stores_total"] > 0
     expected = off.generate([prompts[0]], __import__("kvpage").SamplingParams(max_tokens=4, temperature=0,
                                                                               ignore_eos=True), use_tqdm=False)
     assert again["choices"][0]["text"] == expected[0].outputs[0].text

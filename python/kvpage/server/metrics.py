@@ -27,6 +27,12 @@ _COUNTERS = (
     ("kvpage:prompt_tokens", "num_prompt_tokens", "Prompt tokens of the requests added."),
     ("kvpage:generation_tokens", "num_generation_tokens", "Tokens sampled."),
 )
+# [kv tier] (issue 48) the KV offload tier's counters, where one is configured (kvpage serve --kv-offloading-*).
+_TIER_COUNTERS = (
+    ("kvpage:kv_offload_hits", "kv_offload_hit_tokens", "Prompt tokens loaded from the KV offload tier, not computed."),
+    ("kvpage:kv_offload_loads", "kv_offload_loaded_blocks", "KV blocks loaded from the offload tier."),
+    ("kvpage:kv_offload_stores", "kv_offload_stored_blocks", "KV blocks written to the offload tier."),
+)
 
 
 class _EngineCollector:
@@ -52,6 +58,9 @@ class _EngineCollector:
                            s["kv_blocks_used"] / s["num_kv_blocks"] if s["num_kv_blocks"] else 0.0)
         for name, key, help_ in _COUNTERS:
             yield self._family(CounterMetricFamily, name, help_, s[key])
+        for name, key, help_ in _TIER_COUNTERS:  # [kv tier]
+            if key in s:
+                yield self._family(CounterMetricFamily, name, help_, s[key])
 
 
 class ServerMetrics:
