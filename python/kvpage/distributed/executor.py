@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvpage.engine.executor_base import Executor
 from kvpage.model.tensor_parallel import CommTimer, ShardPlan, check_shardable, set_process_group
 
 from . import protocol
@@ -86,7 +87,7 @@ class StepRecord:
     comm_s: float = 0.0  # of model_s, inside the model's all-reduces and gather (when CommTimer is on)
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     def __init__(self, model, plan: ShardPlan, session: _Session, reports: list[RankReport]) -> None:
         for rank, (report, shard) in enumerate(zip(reports, plan.ranks)):
             expected = (shard.num_heads, shard.num_kv_heads, len(shard.vocab), model.config.num_hidden_layers)
@@ -118,6 +119,17 @@ class TensorParallelExecutor:
     @property
     def vocab_size(self) -> int:
         return self.plan.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.runner.num_host_blocks
+
+    def kv_cache_bytes_per_rank(self) -> list[int]:
+        return [device for device, _ in self.kv_cache_bytes]
 
     @property
     def worker_pids(self) -> dict[int, int]:

@@ -132,7 +132,7 @@ class LLM:
                                                       weight_storage, matmul_precision, decode_context_parallel_size,
                                                       dcp_kv_cache_interleave_size)
             self.model = self.runner.model
-            num_kv_blocks, num_host_blocks = self.runner.runner.num_kv_blocks, self.runner.runner.num_host_blocks
+            num_kv_blocks, num_host_blocks = self.runner.num_kv_blocks, self.runner.num_host_blocks
         else:
             num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
             num_host_blocks = (_blocks_for(config, swap_gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
@@ -217,12 +217,10 @@ class LLM:
         return executor
 
     def shutdown(self) -> None:
-        """Release the tensor-parallel workers and process group (a no-op at tensor_parallel_size=1).
-        Also runs when the LLM is garbage-collected and at interpreter exit."""
-        if getattr(self, "llm_engine", None) is not None:  # [kv tier] a disk tier keeps the pool's cached blocks
-            self.llm_engine.close_kv_tier()
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
+        """Release the tensor-parallel workers and process group, and persist a disk KV tier's blocks (nothing
+        to release otherwise). The workers are also released when the LLM is garbage-collected and at exit."""
+        self.llm_engine.close_kv_tier()  # [kv tier]
+        self.runner.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -263,8 +261,7 @@ class LLM:
         return self._run([PromptItem(t, i, sp) for (t, i), sp in zip(prompts, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
-        if self.tensor_parallel_size > 1:
-            self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
+        self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
         self._settle()
         # Filled by _add_all as it queues, so a failure anywhere withdraws them all (here, or next call).
         ids: list[str] = []
@@ -340,11 +337,7 @@ class LLM:
         stats["decode_context_parallel_size"] = self.decode_context_parallel_size
         # Every rank holds one physical block per block id in use (a DCP group's ranks, each its share of it).
         stats["kv_blocks_used_per_rank"] = [stats["kv_blocks_used"]] * self.tensor_parallel_size
-        if self.tensor_parallel_size > 1:
-            stats["kv_cache_bytes_per_rank"] = [device for device, _ in self.runner.kv_cache_bytes]
-        else:
-            stats["kv_cache_bytes_per_rank"] = [sum(t.numel() * t.element_size()
-                                                    for kv in self.runner.kv_cache_pairs for t in kv)]
+        stats["kv_cache_bytes_per_rank"] = self.runner.kv_cache_bytes_per_rank()
         return stats
 
     def _settled_stats(self) -> dict:

@@ -1,8 +1,8 @@
 """LLMEngine: requests in, one scheduler step -> one forward pass -> sampled tokens, RequestOutputs out.
 
-The engine owns no KV bookkeeping: the scheduler (kvpage.core) decides each step and the runner
-(kvpage.model, or any object with `execute(scheduler_output) -> logits`) carries it out. What is left
-here is the per-request view: sampling parameters, log-probabilities, text and stop strings.
+The engine owns no KV bookkeeping: the scheduler (kvpage.core) decides each step and the executor
+(kvpage.engine.executor_base.Executor: a ModelRunner, or the tensor-parallel driver) carries it out. What is
+left here is the per-request view: sampling parameters, log-probabilities, text and stop strings.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvpage.core.kv_cache_groups import KVCacheLayout
 from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .executor_base import Executor
 from .logits_processors import bad_words_token_ids, check_some_token_sampleable
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
@@ -84,7 +85,7 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, runner, tokenizer, config: EngineConfig) -> None:
+    def __init__(self, runner: Executor, tokenizer, config: EngineConfig) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -144,7 +145,7 @@ class LLMEngine:
         # Everything that can fail is done before the scheduler hears of the request (admission is
         # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
         state = self._new_state(text, token_ids, params, stream, held_back)
-        check_some_token_sampleable(params, state.bad_words_token_ids, getattr(self.runner, "vocab_size", None))
+        check_some_token_sampleable(params, state.bad_words_token_ids, self.runner.vocab_size)
         if params.use_beam_search:
             state.beam = new_beam_search(params, len(token_ids), self.config.max_model_len, self.config.eos_token_ids)
         with deferred_interrupts():
@@ -176,12 +177,10 @@ class LLMEngine:
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         """vLLM's max_logprobs: more than that many alternatives per token is refused, not computed."""
-        cap = self.config.max_logprobs
-        if cap < 0:
-            cap = getattr(self.runner, "vocab_size", None)
+        cap = self.config.max_logprobs if self.config.max_logprobs >= 0 else self.runner.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if cap is not None and k is not None and k > cap:
+            if k is not None and k > cap:
                 raise ValueError(f"{name}={k} exceeds max_logprobs={cap} (the most log-probabilities per token"
                                  " this engine returns; LLM(max_logprobs=...) raises it)")
 
@@ -198,10 +197,8 @@ class LLMEngine:
     def _check_min_tokens_reachable(self, params: SamplingParams, stop_ids: set[int]) -> None:
         """min_tokens holds back every stop token; where nothing else may be sampled (allowed_token_ids,
         or the whole vocabulary, all stop tokens) no token could come out at all."""
-        vocab = getattr(self.runner, "vocab_size", None)
-        candidates = params.allowed_token_ids if params.allowed_token_ids is not None else (
-            range(vocab) if vocab is not None else None)
-        if candidates is not None and all(t in stop_ids for t in candidates):
+        candidates = params.allowed_token_ids if params.allowed_token_ids is not None else range(self.runner.vocab_size)
+        if all(t in stop_ids for t in candidates):
             raise ValueError(f"min_tokens={params.min_tokens}: every token the request may sample"
                              f" ({'allowed_token_ids' if params.allowed_token_ids is not None else 'the vocabulary'})"
                              f" is a stop token, which min_tokens holds back")
@@ -211,10 +208,10 @@ class LLMEngine:
         bad_words need a tokenizer to become token ids."""
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias to ban token ids)")
-        vocab = getattr(self.runner, "vocab_size", None)
+        vocab = self.runner.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(params, name)
-            if ids and vocab is not None and max(ids) >= vocab:
+            if ids and max(ids) >= vocab:
                 raise ValueError(f"{name} names token id {max(ids)}, outside the vocabulary (vocab_size={vocab})")
 
     def tokenize_prompt(self, prompt, prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
@@ -234,8 +231,8 @@ class LLMEngine:
             text, token_ids = None, list(prompt) if isinstance(prompt, (list, tuple)) else []
             if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
                 raise ValueError("prompt must be a string or a non-empty list of int token ids")
-        vocab = getattr(self.runner, "vocab_size", None)
-        if token_ids and (min(token_ids) < 0 or (vocab is not None and max(token_ids) >= vocab)):
+        vocab = self.runner.vocab_size
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
             got = f"{min(token_ids)}..{max(token_ids)}"
             if text is not None:  # an index past the embedding would fail mid-step (on CUDA: a device assert)
                 raise ValueError(f"the tokenizer gives this prompt token ids {got}, outside the model's vocabulary"

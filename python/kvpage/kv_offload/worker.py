@@ -1,7 +1,8 @@
 """The KV connector's worker side: block bytes between the runner's KV cache and a tier, and the model
 fingerprint the disk tier is keyed by.
 
-KVOffloadWorker wraps a ModelRunner (the engine only calls execute(); everything else is the runner's):
+KVOffloadWorker wraps a ModelRunner as the engine's Executor (kvpage.engine.executor_base: execute() is its own,
+the rest of the interface and any other attribute the runner's):
 before each step's own swaps, copies and forward pass it saves the blocks the step's scheduling evicted
 (copied out synchronously: this very step may reuse them) and loads the tier hits into their fresh
 device blocks. A block's payload is every cache tensor's slice of that block (K then V of each of the
@@ -15,13 +16,14 @@ import json
 import torch
 
 import kvpage
+from kvpage.engine.executor_base import Executor
 
 from .connector import KVConnectorMeta
 
 _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
 
 
-class KVOffloadWorker:
+class KVOffloadWorker(Executor):
     def __init__(self, runner, tier) -> None:
         self._runner = runner
         self.tier = tier
@@ -33,6 +35,23 @@ class KVOffloadWorker:
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
+
+    # The Executor interface the runner already provides (declared, so __getattr__ is not asked for it).
+    @property
+    def vocab_size(self) -> int:
+        return self._runner.vocab_size
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._runner.kv_cache_bytes_per_block()
+
+    def kv_cache_bytes_per_rank(self) -> list[int]:
+        return self._runner.kv_cache_bytes_per_rank()
+
+    def check_open(self) -> None:
+        self._runner.check_open()
+
+    def shutdown(self) -> None:
+        self._runner.shutdown()
 
     def execute(self, batch):
         meta: KVConnectorMeta | None = getattr(batch, "kv_connector_meta", None)

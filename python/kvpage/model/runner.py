@@ -13,6 +13,7 @@ import torch
 from kvpage import ops
 from kvpage.core import kv_cache_groups
 from kvpage.core.kv_cache_groups import KVCacheLayout
+from kvpage.engine.executor_base import Executor
 
 from .attention import HFForward, head_dim_of, validate_config
 from .cpu_layout import round_weights
@@ -159,7 +160,7 @@ def build_forward(model, weight_dtype: torch.dtype | None, matmul_precision: str
     return HFForward(model)
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     """Owns the paged KV cache (device pool, plus a host pool for swapping) and runs steps on a HF model,
     through kvpage's own forward for Llama-family models (llama.py), else through the model's modules.
 
@@ -234,6 +235,9 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.config, self.block_size, self.cache_dtype, self.num_kv_heads, self.layout)
+
+    def kv_cache_bytes_per_rank(self) -> list[int]:
+        return [sum(t.numel() * t.element_size() for kv in self.kv_cache_pairs for t in kv)]
 
     def num_blocks_for_memory(self, gib: float) -> int:
         return num_blocks_for_memory(self.config, gib, self.block_size, self.cache_dtype, self.layout)
