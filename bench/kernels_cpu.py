@@ -6,9 +6,13 @@ Also reports the KV bytes/s paged decode achieves against this machine's read ba
 the same run. Targets (issue 2): paged decode <= 1.0x dense for context >= 1024; >= 70% of read
 bandwidth once the cache is larger than the L3 cache.
 
-    python bench/kernels_cpu.py [--quick] [--dtype float32] [--threads N] [--fp8-cache]
+Sliding window (issue 45): decode at a 16k context with a 1k window against no window over the same
+cache (window_ratio = windowed / full time; the window reads 1/16 of the keys, so ~0.06 is the bound).
+
+    python bench/kernels_cpu.py [--quick] [--dtype float32] [--threads N] [--fp8-cache] [--window-only]
     --fp8-cache: decode also over an fp8 (e4m3) copy of the cache, per-tensor scales from the data;
                  reports its time against the same-dtype cache's (fp8_speedup) and its error
+    --window-only: only the sliding-window rows
     python bench/kernels_cpu.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
 """
 import argparse
@@ -28,6 +32,8 @@ SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}
 DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_CONTEXTS = (256, 1024, 4096)
 PREFILL_CASES = ((1, 1024), (4, 512), (1, 4096))  # (sequences, tokens each)
+WINDOW_CASES = (("smollm2", 1), ("smollm2", 8), ("llama3-8b", 1))  # (shape, batch) at WINDOW_CONTEXT
+WINDOW_CONTEXT, WINDOW = 16384, 1024
 BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,6 +112,32 @@ def decode_case(shape_name, batch, context, dtype, generator, fp8_cache=False):
     return row
 
 
+def window_case(shape_name, batch, dtype, generator):
+    """Decode over one paged cache of WINDOW_CONTEXT tokens a sequence, with and without a window of
+    WINDOW tokens; the windowed output checked against the reference."""
+    num_heads, num_kv_heads, head_size = SHAPES[shape_name]
+    dense_k, dense_v = (torch.randn(batch, num_kv_heads, WINDOW_CONTEXT, head_size, generator=generator).to(dtype)
+                        for _ in range(2))
+    query = torch.randn(batch, num_heads, head_size, generator=generator).to(dtype)
+    key_cache, value_cache, block_tables = paged_copy(dense_k, dense_v, generator)
+    del dense_k, dense_v
+    seq_lens = torch.full((batch,), WINDOW_CONTEXT, dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def decode(window):
+        return lambda: ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out,
+                                           sliding_window=window)
+
+    decode(WINDOW)()
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         sliding_window=WINDOW)
+    error = (out.float() - expected.float()).abs().max().item()
+    t_window, t_full = common.median_time(decode(WINDOW), 15), common.median_time(decode(None), 5)
+    return {"kind": "decode-window", "shape": shape_name, "batch": batch, "context": WINDOW_CONTEXT,
+            "window": WINDOW, "window_ms": t_window * 1e3, "full_ms": t_full * 1e3,
+            "window_ratio": t_window / t_full, "max_abs_diff": error}
+
+
 def prefill_case(shape_name, num_seqs, seq_len, dtype, generator):
     num_heads, num_kv_heads, head_size = SHAPES[shape_name]
     dense_k = torch.randn(num_seqs, num_kv_heads, seq_len, head_size, generator=generator).to(dtype)
@@ -171,11 +203,32 @@ def plot(rows, bandwidth, path):
     fig.savefig(path, dpi=110)
 
 
+def window_rows(dtype, generator):
+    rows = [window_case(shape_name, batch, dtype, generator) for shape_name, batch in WINDOW_CASES]
+    for r in rows:
+        for key in ("window_ms", "full_ms", "window_ratio"):
+            r[key] = round(r[key], 3)
+    common.print_table(rows, ["kind", "shape", "batch", "context", "window", "window_ms", "full_ms",
+                              "window_ratio", "max_abs_diff"])
+    return rows
+
+
+def run_window_only(args, dtype, generator):
+    with ops.range_checks(args.range_checks):
+        rows = window_rows(dtype, generator)
+    print(f"isa {ops.cpu_isa()}, threads {torch.get_num_threads()}, dtype {args.dtype}")
+    path = common.write_json("kernels_window", {"machine": common.machine_info(), "isa": ops.cpu_isa(),
+                                                "dtype": args.dtype, "rows": rows})
+    print(f"wrote {path}")
+
+
 def run_cpu(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(0)
+    if args.window_only:
+        return run_window_only(args, dtype, generator)
     batches = (1, 8) if args.quick else DECODE_BATCHES
     contexts = (1024,) if args.quick else DECODE_CONTEXTS
     rows = []
@@ -200,6 +253,9 @@ def run_cpu(args):
           f"threads {torch.get_num_threads()}, dtype {args.dtype}")
     decode = [r for r in rows if r["kind"] == "decode" and r["meets_target"] is not None]
     print(f"decode rows meeting target: {sum(r['meets_target'] for r in decode)}/{len(decode)}")
+    if not args.quick:
+        with ops.range_checks(args.range_checks):
+            rows += window_rows(dtype, generator)
     payload = {"machine": common.machine_info(), "isa": ops.cpu_isa(), "dtype": args.dtype,
                "read_bandwidth_gbs": bandwidth, "l3_bytes": l3, "rows": rows}
     path = common.write_json("kernels_quick" if args.quick else "kernels", payload)
@@ -215,6 +271,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at context 1024, one prefill (smoke run)")
     parser.add_argument("--range-checks", action="store_true", help="keep block-table range checks on")
     parser.add_argument("--fp8-cache", action="store_true", help="decode also over an fp8 copy of the cache")
+    parser.add_argument("--window-only", action="store_true", help="only the sliding-window decode rows")
     args, rest = parser.parse_known_args()
     if args.device == "cuda":
         cuda_bench = Path(__file__).resolve().parent / "kernels_cuda.py"

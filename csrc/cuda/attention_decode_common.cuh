@@ -24,7 +24,8 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 struct RowRange {
   int seq;      // block-table row
-  int kv_len;   // tokens visible to this query row, within the table row's capacity
+  int kv_len;   // tokens up to and including this query row's position, within the table row's capacity
+  int first;    // the first of them its sliding window lets it see (0 without one)
 };
 
 // Where a query row reads from. Index data is untrusted here (range checks may be off):
@@ -48,11 +49,13 @@ __device__ __forceinline__ RowRange row_range(const AttentionParams& p, int row)
     len = (row >= q_start && row < q_end) ? int64_t(p.seq_lens[lo]) - (q_end - row) + 1 : 0;
   }
   r.kv_len = static_cast<int>(len < 0 ? 0 : (len > capacity ? capacity : len));
+  r.first = p.window > 0 && r.kv_len > p.window ? r.kv_len - p.window : 0;
   return r;
 }
 
 // The CTA's place in the grid (x: query row, y: KV head and tile of up to GT of its query
-// heads, z: partition) and the tokens [begin, end) it attends over.
+// heads, z: partition) and the tokens [begin, end) it attends over: partitions tile the row's
+// visible keys [range.first, kv_len), so a window's CTAs never read the table entries before it.
 struct DecodeCta {
   int row, kv_head, head0, num_heads, part;
   RowRange range;
@@ -70,9 +73,9 @@ __device__ __forceinline__ bool decode_cta(const AttentionParams& p, const Decod
   c.num_heads = min(GT, group - (blockIdx.y % chunks) * GT);
   c.part = blockIdx.z;
   c.range = row_range(p, c.row);
-  c.begin = 0, c.end = c.range.kv_len;
+  c.begin = c.range.first, c.end = c.range.kv_len;
   if (w.partition_size > 0) {
-    c.begin = c.part * w.partition_size;
+    c.begin += c.part * w.partition_size;
     if (c.begin >= c.range.kv_len) return false;
     c.end = min(c.end, c.begin + w.partition_size);
   }
@@ -239,9 +242,10 @@ __device__ __forceinline__ void store_merged(const AttentionParams& p, const Dec
       w.tmp_out[slot * p.head_size + d] = o * p.v_scale;
       if (d == 0) w.tmp_max[slot] = m_all, w.tmp_sum[slot] = l_all;
     } else {
+      const RowTotal total = with_sink(p.sinks, head, m_all, l_all);
       T* out = static_cast<T*>(p.out) + c.row * p.out_row_stride + head * p.out_head_stride;
-      out[d] = from_float<T>(l_all > 0.f ? o / l_all * p.v_scale : 0.f);
-      if (d == 0 && p.lse != nullptr) p.lse[int64_t(c.row) * p.num_heads + head] = natural_lse(m_all, l_all);
+      out[d] = from_float<T>(total.l > 0.f ? o * total.acc_factor / total.l * p.v_scale : 0.f);
+      if (d == 0 && p.lse != nullptr) p.lse[int64_t(c.row) * p.num_heads + head] = natural_lse(total.m, total.l);
     }
   }
 }
@@ -257,7 +261,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* s_weight = s_part;
   float* s_sum = s_part + w.max_partitions;
   const int row = blockIdx.x, head = blockIdx.y;
-  const int num_parts = (row_range(p, row).kv_len + w.partition_size - 1) / w.partition_size;
+  const RowRange range = row_range(p, row);
+  const int num_parts = (range.kv_len - range.first + w.partition_size - 1) / w.partition_size;
   const int64_t slot0 = (int64_t(row) * p.num_heads + head) * w.max_partitions;
 
   for (int i = threadIdx.x; i < num_parts; i += blockDim.x) {
@@ -273,8 +278,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __syncthreads();
   float l_all = 0.f;
   for (int i = 0; i < num_parts; ++i) l_all += s_sum[i] * s_weight[i];
-  const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[int64_t(row) * p.num_heads + head] = natural_lse(m_all, l_all);
+  const RowTotal total = with_sink(p.sinks, head, m_all, l_all);
+  const float inv = total.l > 0.f ? total.acc_factor / total.l : 0.f;
+  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[int64_t(row) * p.num_heads + head] = natural_lse(total.m, total.l);
 
   T* out = static_cast<T*>(p.out) + row * p.out_row_stride + head * p.out_head_stride;
   const float* partial = w.tmp_out + slot0 * p.head_size;

@@ -86,8 +86,8 @@ template <typename Cache, int HEAD, int GT, typename C = DecodeConfig<Cache, HEA
 __device__ __forceinline__ void attend_step(const float (&q)[GT][kAcc],
                                             const typename C::Load (&kv)[C::kUnroll][C::kNv],
                                             const typename C::Load (&vv)[C::kUnroll][C::kNv],
-                                            const bool (&valid)[C::kUnroll], float (&m)[GT], float (&l)[GT],
-                                            float (&acc)[GT][kAcc]) {
+                                            const bool (&valid)[C::kUnroll], float softcap, float (&m)[GT],
+                                            float (&l)[GT], float (&acc)[GT][kAcc]) {
   constexpr int kUnroll = C::kUnroll, kNv = C::kNv, kVec = C::kVec, kTpt = C::kTpt;
   float s[kUnroll][GT];
 #pragma unroll
@@ -103,6 +103,15 @@ __device__ __forceinline__ void attend_step(const float (&q)[GT][kAcc],
 #pragma unroll
       for (int off = kTpt / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
       s[u][g] = valid[u] ? dot : -INFINITY;
+    }
+  }
+  // Softcapping in a pass of its own behind a uniform branch: inside the dot products it kept
+  // registers live across the shuffles, and the kernels at their 128-register bound spilled.
+  if (softcap > 0.f) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) s[u][g] = valid[u] ? soft_cap(s[u][g], softcap) : -INFINITY;
     }
   }
 
@@ -212,7 +221,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (DecodeConfig<Cache, HEAD, GT>
           vv[u][i] = on ? *reinterpret_cast<const Load*>(v_src + r * C::kRowBytes + v * C::kLoadBytes) : Load{};
         }
       }
-      attend_step<Cache, HEAD, GT>(q, kv, vv, valid, m, l, acc);
+      attend_step<Cache, HEAD, GT>(q, kv, vv, valid, p.softcap, m, l, acc);
     }
   });
 

@@ -113,8 +113,10 @@ __global__ void __launch_bounds__(kDecodeThreads, (MmaDecodeConfig<T, HEAD>::kMi
       mma_16816<T>(s, a, q[k][0], q[k][1]);
     }
     const bool lo = valid[g], hi = valid[g + 8];
-    s[0] = lo ? s[0] * qk_scale : -INFINITY, s[1] = lo ? s[1] * qk_scale : -INFINITY;
-    s[2] = hi ? s[2] * qk_scale : -INFINITY, s[3] = hi ? s[3] * qk_scale : -INFINITY;
+    s[0] = lo ? soft_cap(s[0] * qk_scale, p.softcap) : -INFINITY;
+    s[1] = lo ? soft_cap(s[1] * qk_scale, p.softcap) : -INFINITY;
+    s[2] = hi ? soft_cap(s[2] * qk_scale, p.softcap) : -INFINITY;
+    s[3] = hi ? soft_cap(s[3] * qk_scale, p.softcap) : -INFINITY;
     online_softmax_heads(s, o, m, l);
     // P^T as the B operand of O^T += V^T P^T: tokens 2t, + 1 (b0) and + 8, + 9 (b1) of head g.
     const uint32_t b0 = movmatrix_trans(pack2<T>(s[0], s[1]));

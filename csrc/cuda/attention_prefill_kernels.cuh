@@ -191,10 +191,15 @@ __device__ __forceinline__ void warp_pv(float (&o)[C::kMTiles][C::kOTiles][4],
   }
 }
 
-template <typename T, typename Cache, int HEAD, int kWarps>
+// kOptions: whether the call has a sliding window, softcap or sinks. The kernel without them has
+// none of their code and values: it is the one tuned to the register budget (at head size 128 it
+// holds 255 registers unspilled, and their few live values spilled it).
+template <typename T, typename Cache, int HEAD, int kWarps, bool kOptions>
 __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThreads)
     paged_prefill_kernel(const AttentionParams p, const int32_t* __restrict__ tile_offsets) {
   using C = PrefillConfig<T, Cache, HEAD, kWarps>;
+  const int window = kOptions ? p.window : 0;
+  const float softcap = kOptions ? p.softcap : 0.f;
   constexpr int kThreads = C::kThreads;
   constexpr int kBlockM = C::kBlockM, kBlockN = C::kBlockN, kStride = C::kStride, kCpr = C::kChunksPerRow;
   constexpr int kCacheVec = C::kCacheVec, kCacheCpr = C::kCacheChunksPerRow, kStageStride = C::kStageStride;
@@ -220,6 +225,9 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
   const int first_pos = kv_len - q_len;  // cache position of query 0
   // Last key any row of this tile sees is first_pos + min(m0 + kBlockM, q_len) - 1.
   const int kv_end = max(0, min(kv_len, first_pos + min(m0 + kBlockM, q_len)));
+  // First key any row sees: its first row's window start. Gathers start at its K/V tile and skip
+  // the positions before it, so the table entries of blocks no row can see are never read.
+  const int kv_first = window > 0 ? max(0, first_pos + m0 - window + 1) : 0;
 
   const int head = blockIdx.y;
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
     for (int idx = tid; idx < kBlockN * kCacheCpr; idx += kThreads) {
       const int r = idx / kCacheCpr, c = idx % kCacheCpr;
       const int pos = j * kBlockN + r;
-      const int block = pos < kv_end ? __ldg(table + (pos >> log2_bs)) : -1;
+      const int block = pos < kv_end && (!kOptions || pos >= kv_first) ? __ldg(table + (pos >> log2_bs)) : -1;
       const bool valid = block >= 0 && block < p.num_blocks && c < cache_chunks;
       const int64_t off =
           valid ? ((int64_t(block) * p.num_kv_heads + kv_head) * p.block_size + (pos & (p.block_size - 1))) *
@@ -287,15 +295,17 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
     }
   };
 
-  // The ring: tiles 0 .. kStages - 2 in flight before the loop (group 0 holds Q too); iteration
-  // j waits for tile j, then refills the buffer tile j - 1 used (every thread is past it: the
-  // barrier) with tile j + kStages - 1. One commit group per tile, empty ones included, keeps
-  // wait<kStages - 2> meaning "tile j has landed".
+  // The ring over K/V tiles j0 .. num_kv_tiles - 1 (j0: the tile of kv_first): tiles j0 ..
+  // j0 + kStages - 2 in flight before the loop (group 0 holds Q too); iteration j waits for tile j,
+  // then refills the buffer tile j - 1 used (every thread is past it: the barrier) with tile
+  // j + kStages - 1; tile j sits in buffer (j - j0) % kStages. One commit group per tile, empty
+  // ones included, keeps wait<kStages - 2> meaning "tile j has landed".
   constexpr int kStages = C::kStages;
   const int num_kv_tiles = (kv_end + kBlockN - 1) / kBlockN;
+  const int j0 = kOptions ? kv_first / kBlockN : 0;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < num_kv_tiles) load_kv(st, st);
+    if (j0 + st < num_kv_tiles) load_kv(j0 + st, st);
     cp_async_commit();
   }
 
@@ -306,6 +316,10 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
   const float qk_scale = p.scale * kLog2e * p.k_scale;  // k_scale: 1 but for fp8
   const int warp_pos = first_pos + m0 + wrow;  // cache position of the warp's first row
   const int warp_last_pos = warp_pos + 16 * kMTiles - 1;
+  // With a window, keys before warp_first_key are hidden from every row of the warp, and a key
+  // at or before row_pos - window from that row.
+  const int warp_first_key = window > 0 ? warp_pos - window + 1 : 0;
+  const int warp_last_first_key = window > 0 ? warp_last_pos - window + 1 : 0;
 
   float o[kMTiles][C::kOTiles][4];
   float row_max[kMTiles][2], row_sum[kMTiles][2];
@@ -317,13 +331,13 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
   }
 
-  for (int j = 0; j < num_kv_tiles; ++j) {
+  for (int j = j0; j < num_kv_tiles; ++j) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (j + kStages - 1 < num_kv_tiles) load_kv(j + kStages - 1, (j + kStages - 1) % kStages);
+    if (j + kStages - 1 < num_kv_tiles) load_kv(j + kStages - 1, (j - j0 + kStages - 1) % kStages);
     cp_async_commit();
 
-    const int buf = j % kStages;
+    const int buf = (j - j0) % kStages;
     const T* k_s = kv_s + (C::kFp8 ? 0 : buf * 2 * kBlockN * kStride);
     if constexpr (C::kFp8) {
       convert_kv(buf);
@@ -331,9 +345,10 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
     }
     const T* v_s = k_s + kBlockN * kStride;
 
-    // A warp whose rows all come before the tile's first key would only mask all of it: it skips
-    // the math (warp-uniform), which the causal diagonal's last tiles leave to the later warps.
-    if (j * kBlockN <= warp_last_pos) {
+    // A warp whose rows all come before the tile's first key (or whose windows all start past its
+    // last) would only mask all of it: it skips the math (warp-uniform), which the causal
+    // diagonal's last tiles leave to the later warps.
+    if (j * kBlockN <= warp_last_pos && (!kOptions || (j + 1) * kBlockN > warp_first_key)) {
       float s[kMTiles][C::kSTiles][4];
       warp_qk<C>(s, q_s + wrow * kStride, k_s, lane);
 #pragma unroll
@@ -341,12 +356,14 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
 #pragma unroll
         for (int n = 0; n < C::kSTiles; ++n) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][n][e] *= qk_scale;
+          for (int e = 0; e < 4; ++e) s[mi][n][e] = soft_cap(s[mi][n][e] * qk_scale, softcap);
         }
       }
       // Causal mask: only a tile reaching past the warp's first row position, or past kv_end,
-      // needs it (for a long prompt, the diagonal and the last tiles; the test is warp-uniform).
-      if ((j + 1) * kBlockN - 1 > warp_pos || (j + 1) * kBlockN > kv_end) {
+      // needs it (for a long prompt, the diagonal and the last tiles; the test is warp-uniform);
+      // the window's: only a tile starting before the warp's last row's first key.
+      if ((j + 1) * kBlockN - 1 > warp_pos || (j + 1) * kBlockN > kv_end ||
+          (kOptions && j * kBlockN < warp_last_first_key)) {
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -355,7 +372,9 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
             for (int e = 0; e < 4; ++e) {
               const int key = j * kBlockN + n * 8 + 2 * t + (e & 1);
               const int row_pos = warp_pos + mi * 16 + g + 8 * (e / 2);  // this element's row
-              if (key > row_pos || key >= kv_end) s[mi][n][e] = -INFINITY;
+              if (key > row_pos || key >= kv_end || (kOptions && window > 0 && key <= row_pos - window)) {
+                s[mi][n][e] = -INFINITY;
+              }
             }
           }
         }
@@ -380,11 +399,12 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
       float sum = row_sum[mi][h];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // v_scale: 1 but for fp8
+      const RowTotal total = with_sink(kOptions ? p.sinks : nullptr, blockIdx.y, row_max[mi][h], sum);
+      const float inv = total.l > 0.f ? p.v_scale * total.acc_factor / total.l : 0.f;  // v_scale: 1 but for fp8
       const int local = mi * 16 + 8 * h;
       if (local >= rows_left) continue;
       const int64_t row = first_row + local;
-      if (t == 0 && p.lse != nullptr) p.lse[row * p.num_heads + blockIdx.y] = natural_lse(row_max[mi][h], sum);
+      if (t == 0 && p.lse != nullptr) p.lse[row * p.num_heads + blockIdx.y] = natural_lse(total.m, total.l);
       T* out = static_cast<T*>(p.out) + row * p.out_row_stride + int64_t(blockIdx.y) * p.out_head_stride;
 #pragma unroll
       for (int i = 0; i < C::kOTiles; ++i) {
@@ -401,7 +421,9 @@ __global__ void __launch_bounds__(PrefillConfig<T, Cache, HEAD, kWarps>::kThread
 template <typename T, typename Cache, int HEAD, int kWarps>
 cudaError_t launch_typed(const AttentionParams& p, int32_t* offsets, cudaStream_t stream) {
   using C = PrefillConfig<T, Cache, HEAD, kWarps>;
-  const auto kernel = paged_prefill_kernel<T, Cache, HEAD, kWarps>;
+  const bool options = p.window > 0 || p.softcap > 0.f || p.sinks != nullptr;
+  const auto kernel = options ? paged_prefill_kernel<T, Cache, HEAD, kWarps, true>
+                              : paged_prefill_kernel<T, Cache, HEAD, kWarps, false>;
   prefill_tile_offsets_kernel<C::kBlockM><<<1, kWarpSize, 0, stream>>>(p.query_start_loc, p.num_seqs,
                                                                        p.num_rows, offsets);
   // Opting in above 48 KiB of dynamic shared memory is per kernel and cheap; redo it each launch

@@ -29,6 +29,31 @@ __device__ __forceinline__ float natural_lse(float m, float l) {
   return l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
+// Gemma 2's logit softcapping on a log2-domain logit: cap = c * log2(e) (AttentionParams::softcap)
+// turns c * tanh(s / c) of the natural logit s into the same form; 0: none. Before any mask (tanh
+// would make a masked -inf a finite -cap). tanh(x) = 1 - 2 / (e^2x + 1): one exp2f and a division,
+// few registers (tanhf's polynomial spilled the decode and prefill kernels, which sit at their
+// register limits), exact at +-inf and within ~1e-7 of tanh elsewhere.
+__device__ __forceinline__ float soft_cap(float s, float cap) {
+  if (cap <= 0.f) return s;
+  return cap * (1.f - 2.f / (exp2f(2.f * kLog2e * (s / cap)) + 1.f));
+}
+
+// A row's finished log2-domain softmax state with its head's sink folded in: one more logit
+// (sinks[head], natural units) in the denominator that brings no value (gpt-oss's s_aux). m and l
+// move to cover it; acc_factor is what the row's accumulator (sum of exp2(s - m_old) v) then takes.
+// Once per row, after every key (partitions merged first), so the sink counts once.
+struct RowTotal {
+  float m, l, acc_factor;
+};
+__device__ __forceinline__ RowTotal with_sink(const float* sinks, int head, float m, float l) {
+  if (sinks == nullptr) return {m, l, 1.f};
+  const float sink = sinks[head] * kLog2e, m_new = fmaxf(m, sink);
+  if (m_new == -INFINITY) return {m, l, 1.f};
+  const float alpha = exp2f(m - m_new);  // 0 where the row saw no key
+  return {m_new, l * alpha + exp2f(sink - m_new), alpha};
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

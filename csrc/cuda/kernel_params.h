@@ -46,13 +46,21 @@ struct AttentionParams {
   int num_rows;                   // decode: num_seqs; prefill: total query tokens
   float scale;
   // [num_rows, num_heads], contiguous, or nullptr: each row's natural log of sum_j exp(scale q.k_j)
-  // (-inf where it sees no key), for merging partial results over disjoint keys.
+  // (-inf where it sees no key), for merging partial results over disjoint keys; sinks included.
   float* lse;
+  // The attention options (ops.h). window: a row at position p sees keys in (p - window, p], 0:
+  // none; a row starts reading at its first visible key, so earlier table entries are never read.
+  // softcap: in the log2 domain the logits live in, c * log2(e) (0: none). sinks: [num_heads]
+  // natural-log logits, or nullptr.
+  int window;
+  float softcap;
+  const float* sinks;
 };
 
 // Decode work split. partition_size == 0: one CTA per (row, kv head group) walks the whole
-// context and writes out directly. Otherwise CTAs also split the context into max_partitions
-// fixed partitions, write unnormalised partials to tmp_* and a reduce kernel merges them.
+// context and writes out directly. Otherwise CTAs also split the context, from the row's first
+// visible key, into max_partitions fixed partitions, write unnormalised partials to tmp_* and a
+// reduce kernel merges them (and adds the sinks).
 struct DecodeWork {
   int partition_size;
   int max_partitions;

@@ -68,6 +68,8 @@ DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int6
   return split;
 }
 
+// The shared checks but the table's range check, which needs the options' window (and prefill's
+// query lengths, checked first): the ops run it after.
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
@@ -79,17 +81,8 @@ CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const
   as_int(cache.num_blocks, "key_cache.size(0)");
   as_int(block_tables.size(1) * cache.block_size, "block_tables.size(1) * block_size");
   as_int(query.size(0), "query.size(0)");
-  if (check_ranges) {  // host copies of the index tensors: documented sync
-    check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
-    check_block_tables_range(block_tables, seq_lens, cache);
-  }
+  if (check_ranges) check_seq_lens(seq_lens, block_tables, cache, min_seq_len);  // host copies: documented sync
   return cache;
-}
-
-// Until the CUDA kernels take them (interim: the CPU kernels landed first).
-void refuse_options(const AttentionOptions& o) {
-  TORCH_CHECK_NOT_IMPLEMENTED(o.window == 0 && o.softcap == 0.f && o.sinks == nullptr,
-                              "sliding_window, softcap and sinks are not yet supported by the CUDA kernels");
 }
 
 AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -118,6 +111,13 @@ AttentionParams make_params(at::Tensor& out, const at::Tensor& query, const at::
   return p;
 }
 
+// The options as the kernels take them: softcap in the log2 domain their logits live in.
+void set_options(AttentionParams& p, const AttentionOptions& o) {
+  p.window = static_cast<int>(o.window);
+  p.softcap = o.softcap * 1.4426950408889634f;  // log2(e)
+  p.sinks = o.sinks;
+}
+
 }  // namespace
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -129,19 +129,23 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                            1, check_ranges, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
-  refuse_options(check_attention_options(sliding_window, softcap, sinks, query, out));
+  const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
+  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window);
   float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   AttentionParams p = make_params(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
                                   k_scale, v_scale);
   p.lse = lse_data;
+  set_options(p, options);
 
   const int64_t sms = num_sms();
   const DecodeOccupancy occupancy = decode_occupancy(p, shared_memory_per_sm());
-  const DecodeSplit split =
-      plan_decode_split(query.size(0) * occupancy.ctas_per_row, block_tables.size(1) * cache.block_size,
-                        cache.block_size, sms, sms * occupancy.ctas_per_sm, partition_size);
+  // A row reads at most its window's keys: the split plans for that many, not the table's width.
+  int64_t capacity = block_tables.size(1) * cache.block_size;
+  if (options.window > 0) capacity = std::min(capacity, options.window);
+  const DecodeSplit split = plan_decode_split(query.size(0) * occupancy.ctas_per_row, capacity, cache.block_size,
+                                              sms, sms * occupancy.ctas_per_sm, partition_size);
   DecodeWork w{};
   at::Tensor tmp;
   if (split.partition_size > 0) {
@@ -170,7 +174,8 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                     "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
                     " entries, got ", query_start_loc.size(0));
   if (check_ranges) check_query_start_loc(query_start_loc, seq_lens, query.size(0));
-  refuse_options(check_attention_options(sliding_window, softcap, sinks, query, out));
+  const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
+  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window, &query_start_loc);
   float* lse_data =
       check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;
@@ -184,6 +189,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                                   k_scale, v_scale);
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.lse = lse_data;
+  set_options(p, options);
   if (prefill_uses_tensor_cores(p)) {
     // The tensor-core kernel stages Q with 16-byte copies; a misaligned view gets an aligned copy.
     at::Tensor q = query;

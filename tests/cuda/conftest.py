@@ -7,6 +7,10 @@ gives the emulator the full set too."""
 import os
 import re
 
+import pytest
+
+from cuda_backends import BACKENDS, end_if_context_broken, get_backend
+
 _TRIMMED = [
     re.compile(r"test_(decode|prefill)_heads_and_blocks\[emu-(8|32)-"),
     re.compile(r"test_prefill_long\[emu-dtype1\]"),
@@ -23,3 +27,12 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each backend in turn (test_cuda_ops.py keeps its own, which also sets its module's B)."""
+    b = get_backend(request.param)
+    yield b
+    if b.name == "cuda":
+        end_if_context_broken(request.node.nodeid)

@@ -7,7 +7,6 @@ a whole block) against attention over all of them."""
 import pytest
 import torch
 
-from cuda_backends import BACKENDS, end_if_context_broken, get_backend
 from kvpage import ops
 from kvpage.ops import reference
 
@@ -19,14 +18,6 @@ LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
 OUT_TOLERANCES = {torch.float32: dict(atol=5e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
                   torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 BLOCK_SIZE, NUM_BLOCKS = 16, 48
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    b = get_backend(request.param)
-    yield b
-    if b.name == "cuda":
-        end_if_context_broken(request.node.nodeid)
 
 
 def cache_pair(b, num_kv_heads, head_size, dtype, gen, k_scale=1.0, v_scale=1.0):

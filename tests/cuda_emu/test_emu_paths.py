@@ -130,3 +130,42 @@ def test_decode_split_keeps_the_sms_busy(rows, capacity, partition):
         assert (launches, blocks) == (1, rows * 3)
     else:  # the split kernel's grid, then the reduce's (row, query head) grid
         assert (launches, blocks) == (2, rows * 3 * (capacity // partition) + rows * 9)
+
+
+def test_window_prefill_skips_the_kv_tiles_it_cannot_see():
+    """A 64-token window over a 1,024-token prompt: each query tile gathers and multiplies only the K/V
+    tiles its window reaches (a few per tile), not the whole causal prefix."""
+    ops = get_backend("emu").ops
+    gen = torch.Generator().manual_seed(2)
+    key_cache, value_cache = ops.allocate_kv_cache(64, 16, 2, 64, dtype=torch.float16, device="cpu")
+    for cache in (key_cache, value_cache):
+        cache.copy_(torch.randn(cache.shape, generator=gen).half())
+    query = torch.randn(1024, 4, 64, generator=gen).half()
+    tables = torch.arange(64, dtype=torch.int32).view(1, 64)
+    starts, lens = torch.tensor([0, 1024], dtype=torch.int32), torch.tensor([1024], dtype=torch.int32)
+
+    def mmas(**options):
+        return stats_of(lambda: ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, lens,
+                                                            **options))["mmas"]
+
+    full, windowed = mmas(), mmas(sliding_window=64)
+    assert 0 < windowed < 0.3 * full, (windowed, full)
+
+
+@pytest.mark.parametrize("window, partition", [(256, 128), (100, 0), (4096, 128)])
+def test_decode_split_plans_for_the_window(window, partition):
+    """A row reads at most its window: the split is planned for min(window, table width) tokens (one
+    row, 2,048-token table: 16 partitions of 128 without a window)."""
+    backend = get_backend("emu")
+    gen = torch.Generator().manual_seed(1)
+    key_cache, value_cache = backend.ops.allocate_kv_cache(8, 16, 3, 64, dtype=torch.float16, device="cpu")
+    query = torch.randn(1, 9, 64, generator=gen).half()
+    tables = torch.randint(0, 8, (1, 128), generator=gen, dtype=torch.int32)
+    lens = torch.tensor([2000], dtype=torch.int32)
+    added = stats_of(lambda: backend.ops.paged_attention(query, key_cache, value_cache, tables, lens,
+                                                         sliding_window=window))
+    parts = min(window, 2048) // partition if partition else 0
+    if parts == 0:
+        assert (added["launches"], added["blocks"]) == (1, 3)
+    else:
+        assert (added["launches"], added["blocks"]) == (2, 3 * parts + 9)
