@@ -1,16 +1,20 @@
 """Every engine option declared once (vLLM's EngineArgs pattern): name, type, default and help, from which
-the flags of `kvpage serve / generate / chat / bench / demo` and their `--help` are generated.
+LLM(...)'s keywords, defaults and signature, and the flags of `kvpage serve / generate / chat / bench / demo`
+with their `--help`, are generated.
 
 Pure Python (no torch): the command line checks its flags with it before the model loads. The values are
 checked again, with the messages users of `LLM(...)` get, by LLM itself."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field, make_dataclass
 
 # The scheduler's budgets where LLM(...) is given None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
+# The host pool for swap preemption where swap_space_gib is None.
+DEFAULT_SWAP_SPACE_GIB = 0.5
 
 
 def positive_int(text: str) -> int:
@@ -65,7 +69,7 @@ ENGINE_OPTIONS = (
     EngineOption("preemption_mode", str, None, "how a preempted sequence gives back its blocks (default: per"
                  " victim, whichever the measured cost model says is cheaper)", ("swap", "recompute")),
     EngineOption("swap_space_gib", non_negative_float, None, "host memory for swapped-out KV blocks, GiB"
-                 " (default: 0.5)"),
+                 f" (default: {DEFAULT_SWAP_SPACE_GIB})"),
     EngineOption("dtype", str, None, "the model's dtype (default: auto, as its weights are stored)",
                  ("auto", "float32", "float16", "bfloat16")),
     EngineOption("kv_cache_dtype", str, "auto", "fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32;"
@@ -97,6 +101,27 @@ ENGINE_OPTIONS = (
 OPTIONS = {option.name: option for option in ENGINE_OPTIONS}
 # What LLM(...) takes when a keyword is left out (tests/cli/test_engine_args.py holds LLM's signature to it).
 ENGINE_DEFAULTS = {option.name: option.default for option in ENGINE_OPTIONS}
+
+# One LLM's option values: a field per declared option, with its default.
+EngineOptions = make_dataclass("EngineOptions", [(o.name, object, field(default=o.default)) for o in ENGINE_OPTIONS],
+                               frozen=True)
+
+
+def engine_options(caller: str, kwargs: dict) -> EngineOptions:
+    """kwargs as EngineOptions; a keyword that is no engine option is a TypeError naming it, as Python's own."""
+    for name in kwargs:
+        if name not in OPTIONS:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    return EngineOptions(**kwargs)
+
+
+def engine_signature(first: str, *extra: inspect.Parameter) -> inspect.Signature:
+    """The signature of a method taking every engine option as a keyword (the option named first also by
+    position), then the extra parameters: what help() and IDEs show for LLM(...)."""
+    kinds = {first: inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    params = [inspect.Parameter(o.name, kinds.get(o.name, inspect.Parameter.KEYWORD_ONLY), default=o.default)
+              for o in sorted(ENGINE_OPTIONS, key=lambda o: o.name != first)]
+    return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params, *extra])
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

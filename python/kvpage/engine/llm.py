@@ -1,6 +1,7 @@
 """kvpage.LLM: the offline entry point (vLLM's `LLM`): load a model, size the KV cache, generate."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import threading
@@ -13,7 +14,8 @@ from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 from kvpage.kv_offload import check_offloading_options
 
-from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from .arg_utils import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, EngineOptions,
+                        engine_options, engine_signature)
 from .generation_defaults import describe as describe_sampling_defaults
 from .generation_defaults import model_sampling_defaults
 from .llm_engine import EngineConfig, LLMEngine
@@ -29,20 +31,10 @@ logger = logging.getLogger("kvpage")
 # after the model is loaded, leaving the rest for activations.
 CPU_KV_CACHE_GIB = 1.0
 GPU_KV_CACHE_FRACTION = 0.5
-# Host pool for swap preemption when swap_space_gib is None (vLLM's default is 4 GiB per GPU).
-DEFAULT_SWAP_SPACE_GIB = 0.5
 
 
 class LLM:
-    def __init__(self, model=None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int | None = None, preemption_mode: str | None = None,
-                 swap_space_gib: float | None = None, tensor_parallel_size: int = 1, dtype=None, seed: int | None = 0,
-                 tokenizer=None, kv_cache_dtype: str = "auto", weight_dtype: str = "auto",
-                 matmul_precision: str = "highest", max_logprobs: int = 20, max_model_len: int | None = None,
-                 enforce_eager: bool = False, decode_context_parallel_size: int = 1,
-                 dcp_kv_cache_interleave_size: int = 1, kv_offloading_size: float | None = None,
-                 kv_offloading_dir: str | None = None) -> None:
+    def __init__(self, model=None, *, tokenizer=None, **options) -> None:
         """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
         scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
         "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
@@ -67,104 +59,92 @@ class LLM:
         prompts: files under kv_offloading_dir (kv_offloading_size GiB of them, default 4), which a new
         process with the same model finds warm; without a directory, kv_offloading_size GiB of host memory.
         Calls from several threads are safe: they run one at a time."""
-        # Everything checkable is checked before the model loads (about 20 s for the default model).
-        if type(tensor_parallel_size) is not int or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-        _check_block_size(block_size)
-        _check_optional_positive("num_kv_blocks", num_kv_blocks)
-        _check_optional_positive("max_num_batched_tokens", max_num_batched_tokens)
-        _check_optional_positive("max_num_seqs", max_num_seqs)
-        if swap_space_gib is not None and not (isinstance(swap_space_gib, (int, float))
-                                               and not isinstance(swap_space_gib, bool)
-                                               and 0 <= swap_space_gib < float("inf")):
-            raise ValueError(f"swap_space_gib must be a finite number >= 0 or None, got {swap_space_gib!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        _check_optional_positive("max_model_len", max_model_len)
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
-        if type(max_logprobs) is not int or max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {max_logprobs!r}")
-        check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, block_size)
-        check_offloading_options(kv_offloading_size, kv_offloading_dir, tensor_parallel_size)  # [kv tier]
-        seed = resolve_seed(seed)
-        check_preemption_mode(preemption_mode)
-        tokenizer = resolve_tokenizer(tokenizer)
-        from kvpage.model import (ModelRunner, kv_cache_dtype_from_name, load_model,  # torch: when an LLM is built
-                                  weight_dtype_from_name)
-        from kvpage.model.cuda_graphs import CudaGraphConfig
-        from kvpage.model.runner import (MATMUL_PRECISIONS, check_cache_dtype, check_matmul_precision, check_weight_dtype,
-                                         model_kv_cache_layout)
+        o = engine_options("LLM", {"model": model, **options})
+        cache_dtype, weight_dtype = _check_options(o)  # everything checkable, before the model loads (seconds)
+        seed, tokenizer = resolve_seed(o.seed), resolve_tokenizer(tokenizer)
+        self._load_model(o, tokenizer, cache_dtype, weight_dtype)
+        self.tensor_parallel_size = o.tensor_parallel_size
+        self.decode_context_parallel_size = o.decode_context_parallel_size
+        swap_gib = 0.0
+        if o.preemption_mode != "recompute":
+            swap_gib = DEFAULT_SWAP_SPACE_GIB if o.swap_space_gib is None else o.swap_space_gib
+        if o.tensor_parallel_size > 1:
+            # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
+            self.runner = self._start_tensor_parallel(o, swap_gib, weight_dtype)
+            self.model = self.runner.model
+        else:
+            self.runner = self._start_runner(o, swap_gib, weight_dtype)
+        # Under DCP one block id holds block_size tokens on each of the group's D ranks.
+        self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
+            num_kv_blocks=self.runner.num_kv_blocks, block_size=o.block_size * o.decode_context_parallel_size,
+            num_host_blocks=self.runner.num_host_blocks, enable_prefix_caching=o.enable_prefix_caching,
+            max_num_batched_tokens=o.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=o.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=self.context_limit,
+            preemption_mode=o.preemption_mode, eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed,
+            max_logprobs=o.max_logprobs, kv_cache_layout=self.kv_cache_layout,
+            kv_offloading_size=o.kv_offloading_size, kv_offloading_dir=o.kv_offloading_dir))
+        self._log_kv_cache(o.block_size * o.decode_context_parallel_size)
+        self._counter = itertools.count()
+        # One call at a time owns the engine: a second thread waits rather than stepping into its state.
+        self._lock = threading.RLock()
+        self._unfinished_call: list[str] = []  # the request ids of a call that has not returned
 
-        cache_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
-        weight_storage = weight_dtype_from_name(weight_dtype)
-        if matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
-        self.model, loaded_tokenizer = load_model(model, dtype=resolve_dtype(dtype))
-        check_weight_dtype(weight_storage, self.model.dtype, next(self.model.parameters()).device)
-        check_matmul_precision(matmul_precision, self.model.dtype, next(self.model.parameters()).device)
+    __init__.__signature__ = engine_signature("model", inspect.Parameter("tokenizer", inspect.Parameter.KEYWORD_ONLY,
+                                                                         default=None))
+
+    def _load_model(self, o: EngineOptions, tokenizer, cache_dtype, weight_dtype) -> None:
+        """The model and tokenizer, with the dtypes checked against the model, and what its config fixes:
+        the KV-cache groups, the context limit, tensor / decode context parallelism's head split."""
+        from kvpage.model import load_model
+        from kvpage.model.runner import check_cache_dtype, check_matmul_precision, check_weight_dtype, model_kv_cache_layout
+
+        self.model, loaded_tokenizer = load_model(o.model, dtype=resolve_dtype(o.dtype))
+        device = next(self.model.parameters()).device
+        check_weight_dtype(weight_dtype, self.model.dtype, device)
+        check_matmul_precision(o.matmul_precision, self.model.dtype, device)
         self.kv_cache_dtype = cache_dtype or self.model.dtype
-        check_cache_dtype(self.kv_cache_dtype, self.model.dtype, next(self.model.parameters()).device)
+        check_cache_dtype(self.kv_cache_dtype, self.model.dtype, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
-        self.default_sampling_fields = model_sampling_defaults(self.model, embedded=model is None)
+        self.default_sampling_fields = model_sampling_defaults(self.model, embedded=o.model is None)
         logger.info("kvpage: %s", describe_sampling_defaults(self.default_sampling_fields))
         config = self.model.config
         # The KV-cache groups (layers by sliding window; one group without windows): the block manager keeps a
         # block table per group, the runner a cache pair per group member, and a block id is that many layers.
         self.kv_cache_layout = model_kv_cache_layout(config)
-        if decode_context_parallel_size > 1 and self.kv_cache_layout.num_groups > 1:
-            raise ValueError(f"decode_context_parallel_size={decode_context_parallel_size} is not supported for a"
+        dcp = o.decode_context_parallel_size
+        if dcp > 1 and self.kv_cache_layout.num_groups > 1:
+            raise ValueError(f"decode_context_parallel_size={dcp} is not supported for a"
                              f" model with sliding-window and full-attention layers (a hybrid KV cache of"
                              f" {self.kv_cache_layout.num_groups} groups); use decode_context_parallel_size=1")
-        context_limit = _context_limit(config, max_model_len)
-        max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        self.tensor_parallel_size = tensor_parallel_size
-        self.decode_context_parallel_size = decode_context_parallel_size
-        check_context_parallel(tensor_parallel_size, decode_context_parallel_size, dcp_kv_cache_interleave_size,
-                               block_size, config.num_attention_heads,
+        self.context_limit = _context_limit(config, o.max_model_len)
+        check_context_parallel(o.tensor_parallel_size, dcp, o.dcp_kv_cache_interleave_size, o.block_size,
+                               config.num_attention_heads,
                                getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        swap_gib = 0.0
-        if preemption_mode != "recompute":
-            swap_gib = DEFAULT_SWAP_SPACE_GIB if swap_space_gib is None else swap_space_gib
-        if tensor_parallel_size > 1:
-            # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
-            self.runner = self._start_tensor_parallel(model, tensor_parallel_size, block_size, num_kv_blocks, swap_gib,
-                                                      weight_storage, matmul_precision, decode_context_parallel_size,
-                                                      dcp_kv_cache_interleave_size)
-            self.model = self.runner.model
-            num_kv_blocks, num_host_blocks = self.runner.num_kv_blocks, self.runner.num_host_blocks
-        else:
-            num_kv_blocks = num_kv_blocks or self._blocks_for_budget(block_size)
-            num_host_blocks = (_blocks_for(config, swap_gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
-                               if swap_gib else 0)
-            self._check_kv_memory(num_kv_blocks, num_host_blocks, block_size)
-            graphs = None if enforce_eager or context_limit is None else CudaGraphConfig(max_num_seqs, context_limit)
-            self.runner = ModelRunner(self.model, num_kv_blocks, block_size, self.model.dtype, num_host_blocks,
-                                      kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_storage,
-                                      matmul_precision=matmul_precision, cuda_graphs=graphs,
-                                      kv_cache_layout=self.kv_cache_layout)
-        # Under DCP one block id holds block_size tokens on each of the group's D ranks.
-        self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
-            num_kv_blocks=num_kv_blocks, block_size=block_size * decode_context_parallel_size,
-            num_host_blocks=num_host_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=max_num_seqs, max_model_len=context_limit, preemption_mode=preemption_mode,
-            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=max_logprobs,
-            kv_cache_layout=self.kv_cache_layout, kv_offloading_size=kv_offloading_size,
-            kv_offloading_dir=kv_offloading_dir))
-        layout = self.kv_cache_layout
+
+    def _start_runner(self, o: EngineOptions, swap_gib: float, weight_dtype):
+        """This process's ModelRunner, its pools sized from num_kv_blocks or the memory budget."""
+        from kvpage.model import ModelRunner
+        from kvpage.model.cuda_graphs import CudaGraphConfig
+
+        num_kv_blocks = o.num_kv_blocks or self._blocks_for_budget(o.block_size)
+        num_host_blocks = (_blocks_for(self.model.config, swap_gib, o.block_size, self.kv_cache_dtype,
+                                       self.kv_cache_layout) if swap_gib else 0)
+        self._check_kv_memory(num_kv_blocks, num_host_blocks, o.block_size)
+        graphs = None
+        if not o.enforce_eager and self.context_limit is not None:
+            graphs = CudaGraphConfig(o.max_num_seqs or DEFAULT_MAX_NUM_SEQS, self.context_limit)
+        return ModelRunner(self.model, num_kv_blocks, o.block_size, self.model.dtype, num_host_blocks,
+                           kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_dtype,
+                           matmul_precision=o.matmul_precision, cuda_graphs=graphs, kv_cache_layout=self.kv_cache_layout)
+
+    def _log_kv_cache(self, block_size: int) -> None:
+        layout, num_kv_blocks = self.kv_cache_layout, self.runner.num_kv_blocks
         logger.info("kvpage: KV cache of %d blocks x %d tokens = %d concurrent tokens (%.2f GiB), host swap"
-                    " pool %d blocks%s", num_kv_blocks, block_size * decode_context_parallel_size,
-                    num_kv_blocks * block_size * decode_context_parallel_size,
-                    num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, num_host_blocks,
+                    " pool %d blocks%s", num_kv_blocks, block_size, num_kv_blocks * block_size,
+                    num_kv_blocks * self.runner.kv_cache_bytes_per_block() / 2**30, self.runner.num_host_blocks,
                     # Hybrid: a block id is one group's layers, and a window group holds only its window's blocks.
                     f"; {layout.num_groups} KV-cache groups of {layout.group_size} layers (windows"
                     f" {list(layout.sliding_windows)})" if layout.num_groups > 1 else "")
-        self._counter = itertools.count()
-        # One call at a time owns the engine: a second thread waits rather than stepping into its state.
-        self._lock = threading.RLock()
-        self._unfinished_call: list[str] = []  # the request ids of a call that has not returned
 
     def _check_kv_memory(self, num_kv_blocks: int, num_host_blocks: int, block_size: int) -> None:
         """ValueError naming num_kv_blocks / swap_space_gib where the caches cannot fit in the free memory
@@ -194,15 +174,14 @@ class LLM:
             gib = CPU_KV_CACHE_GIB
         return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
 
-    def _start_tensor_parallel(self, model_arg, size: int, block_size: int, num_kv_blocks: int | None,
-                               swap_gib: float, weight_dtype=None, matmul_precision: str = "highest",
-                               dcp_size: int = 1, dcp_interleave: int = 1):
+    def _start_tensor_parallel(self, o: EngineOptions, swap_gib: float, weight_dtype):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
         and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
         as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
         from kvpage.distributed import launch
 
-        executor = launch(model_arg, self.model, size, dcp_size)
+        block_size, num_kv_blocks = o.block_size, o.num_kv_blocks
+        executor = launch(o.model, self.model, o.tensor_parallel_size, o.decode_context_parallel_size)
         try:
             per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype, self.kv_cache_layout))
             if num_kv_blocks is None:
@@ -210,7 +189,7 @@ class LLM:
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
-                              weight_dtype, matmul_precision, dcp_interleave, self.kv_cache_layout)
+                              weight_dtype, o.matmul_precision, o.dcp_kv_cache_interleave_size, self.kv_cache_layout)
         except BaseException:
             executor.shutdown()
             raise
@@ -353,6 +332,35 @@ def _context_limit(config, requested: int | None) -> int | None:
     if limit is not None and requested > limit:
         raise ValueError(f"max_model_len={requested} exceeds the model's context of {limit} tokens")
     return requested
+
+
+def _check_options(o: EngineOptions) -> tuple:
+    """ValueError naming the option for any value LLM cannot take; the KV-cache and weight dtypes named."""
+    if type(o.tensor_parallel_size) is not int or o.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {o.tensor_parallel_size!r}")
+    _check_block_size(o.block_size)
+    for name in ("num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        _check_optional_positive(name, getattr(o, name))
+    swap = o.swap_space_gib
+    if swap is not None and not (isinstance(swap, (int, float)) and not isinstance(swap, bool)
+                                 and 0 <= swap < float("inf")):
+        raise ValueError(f"swap_space_gib must be a finite number >= 0 or None, got {swap!r}")
+    for name in ("enable_prefix_caching", "enforce_eager"):
+        if not isinstance(getattr(o, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(o, name)!r}")
+    _check_optional_positive("max_model_len", o.max_model_len)
+    if type(o.max_logprobs) is not int or o.max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap, got {o.max_logprobs!r}")
+    check_dcp_sizes(o.decode_context_parallel_size, o.dcp_kv_cache_interleave_size, o.block_size)
+    check_offloading_options(o.kv_offloading_size, o.kv_offloading_dir, o.tensor_parallel_size)  # [kv tier]
+    check_preemption_mode(o.preemption_mode)
+    from kvpage.model import kv_cache_dtype_from_name, weight_dtype_from_name  # torch: when an LLM is built
+    from kvpage.model.runner import MATMUL_PRECISIONS
+
+    dtypes = kv_cache_dtype_from_name(o.kv_cache_dtype), weight_dtype_from_name(o.weight_dtype)
+    if o.matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {o.matmul_precision!r}")
+    return dtypes
 
 
 def _check_optional_positive(name: str, value) -> None:
