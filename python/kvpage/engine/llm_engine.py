@@ -272,7 +272,8 @@ class LLMEngine:
             if not out.is_empty:
                 started = time.perf_counter()
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
-                sample_rows, result = self._sample(plain, _rows_of(logits, keep))
+                sample_rows = [self._sample_row(self._states[s.request_id], s) for s in plain]
+                result = self.sampler(_rows_of(logits, keep), sample_rows) if plain else None
                 beams = self._select_beams(rows, logits)
                 # Sampling read tokens back, so the device has finished the step (a CPU's always has).
                 record_step_time(self.cost_model, out, started, finished=bool(rows) or logits.device.type == "cpu")
@@ -321,12 +322,6 @@ class LLMEngine:
         if self._idle_steps > 2 and self.has_unfinished_requests():
             raise RuntimeError("the scheduler made no progress in 3 steps with requests pending"
                                f" ({self.scheduler.stats()}); this is a bug")
-
-    def _sample(self, rows, logits) -> tuple[list[SampleRow], SamplerOutput | None]:
-        if not rows:
-            return [], None
-        sample_rows = [self._sample_row(self._states[s.request_id], s) for s in rows]
-        return sample_rows, self.sampler(logits, sample_rows)
 
     def _select_beams(self, rows, logits: torch.Tensor) -> dict[str, tuple[BeamSearchState, BeamStep]]:
         """Each beam request whose beams sampled: its next state and the scheduler's BeamStep."""
