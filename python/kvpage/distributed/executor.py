@@ -1,7 +1,7 @@
-"""The driver (rank 0): owns nothing of the scheduling, only the broadcast. LLMEngine (beam search
-included, which the scheduler now batches with the rest) calls `execute(batch)` on it exactly as on a
-ModelRunner; each call packs the step (protocol.py),
-broadcasts it, runs rank 0's shard on the unpacked tensors, and returns the logits the LM head gathered.
+"""The driver (rank 0): owns nothing of the scheduling, only the broadcast. LLMEngine calls `execute(step)`
+on it as on a ModelRunner (both are kvpage.engine.executor_base.Executors); each call packs the step
+(protocol.py), broadcasts it, runs rank 0's shard on the unpacked tensors, and returns the logits the LM head
+gathered.
 
 Failure handling: before each step the driver polls its worker processes; during one, a dead worker breaks
 the collective at once (closed sockets) and a hung one after KVPAGE_TP_TIMEOUT_S. Either way the driver

@@ -91,7 +91,7 @@ ENGINE_OPTIONS = (
                  " (divides --block-size)"),
     EngineOption("max_logprobs", int, 20, "the most logprobs a request may ask for (-1: no cap)"),
     EngineOption("seed", int, 0, "the engine's sampling seed: the same workload gives the same tokens"),
-    # [kv tier] issue 48 (kvpage.kv_offload)
+    # [kv tier] (kvpage.kv_offload)
     EngineOption("kv_offloading_size", non_negative_float, None, "GiB of a second KV tier behind the prefix cache,"
                  " holding the blocks its LRU evicts: files under --kv-offloading-dir, else host memory (default:"
                  " 4 with a directory, else no tier)"),

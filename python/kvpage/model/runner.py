@@ -37,7 +37,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 
 # weight_dtype names: "auto" keeps the model's weights as they are; "bfloat16" / "float16" round a float32
 # model's weights to 16 bits (every parameter, in place) and store its linear layers' packed slabs in 16
-# bits on CPU, computing in float32 as before: half the bytes a decode step streams (the modules keep
+# bits on CPU, computing in float32: half the bytes a decode step streams (the modules keep
 # their float32 weights, so resident memory does not shrink).
 WEIGHT_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
