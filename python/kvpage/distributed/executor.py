@@ -145,7 +145,7 @@ class TensorParallelExecutor(Executor):
         from kvpage.model import kv_cache_bytes_per_block
 
         cache_dtype = cache_dtype or self.cache_dtype
-        layout = layout or getattr(self.runner, "layout", None)
+        layout = layout or (self.runner.layout if self.runner is not None else None)
         return [kv_cache_bytes_per_block(self.model.config, block_size, cache_dtype, s.num_kv_heads, layout)
                 for s in self.plan.ranks]
 
