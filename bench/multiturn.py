@@ -15,6 +15,9 @@ Targets (issue 48): turn-T TTFT <= 1.5x turn-1 TTFT with the tier, and >= 3x low
 TTFT >= 5x lower than cold.
 
     python bench/multiturn.py [--conversations 6] [--turns 10] [--user-tokens 200] [--doc-tokens 2000]
+    python bench/multiturn.py --quick   # a tiny random model, 2 conversations x 2 short turns: a smoke run
+
+Writes bench/results/multiturn.json (multiturn_quick.json with --quick).
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_model_argument, model_dir  # noqa: E402
-from serve import MODEL_NAME, ROOT, Server, start_server  # noqa: E402
+from common import add_model_argument, model_dir, write_json  # noqa: E402
+from serve import MODEL_NAME, ROOT, Server, start_server, tiny_model_dir  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an"
          " they you were her she there been one all we their has would when if so no what up said out about more"
@@ -139,11 +142,16 @@ def main() -> dict:
     parser.add_argument("--doc-tokens", type=int, default=2000, help="the restart run's document")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-restart", action="store_true")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here too")
+    parser.add_argument("--quick", action="store_true", help="a tiny random model, 2 conversations x 2 short turns")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    model = model_dir(args.model)
+    if args.quick:
+        args.conversations, args.turns, args.user_tokens, args.max_tokens, args.doc_tokens = 2, 2, 24, 4, 96
+        model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="kvpage-multiturn-model-")))
+    else:
+        model = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
     users = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
@@ -176,6 +184,7 @@ def main() -> dict:
         restart["cold_over_restart"] = restart["cold"]["ttft_s"] / restart["after_restart"]["ttft_s"]
         results["restart"] = restart
         print(f"restart: cold TTFT / TTFT after restart = {restart['cold_over_restart']:.2f}x (target >= 5)")
+    write_json("multiturn_quick" if args.quick else "multiturn", results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return results

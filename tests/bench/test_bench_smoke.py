@@ -59,6 +59,10 @@ SCRIPTS = {
     "scheduler_sim": (["bench/scheduler_sim.py", "--quick"], "scheduler_sim_quick.json"),
     "attention_isa": (["bench/attention_isa.py", "--quick"], None),  # says so and exits 0 without AVX-512
     "block_manager": (["bench/block_manager.py", "--quick"], "block_manager_quick.json"),
+    "hybrid_kv": (["bench/hybrid_kv.py", "--quick"], "hybrid_kv_quick.json"),
+    "families": (["bench/families.py", "--quick"], "families.json"),
+    "serve_attack": (["bench/serve_attack.py", "--quick"], "serve_attack_quick.json"),
+    "multiturn": (["bench/multiturn.py", "--quick"], "multiturn_quick.json"),
     # GPU only (bench/gpu_check.sh runs it there): here it must at least start.
     "kernels_cuda_help": (["bench/kernels_cuda.py", "--help"], None),
     # GPU rows; without CUDA --quick runs the same code on the CPU with tiny models.
