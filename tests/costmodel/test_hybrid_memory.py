@@ -91,8 +91,20 @@ def test_rank_capacity_agrees_with_the_memory_section():
     assert two.kv_bytes_per_token_per_rank(2) == 2 * 62 * 8 * 128 * 2  # every layer, per token
 
 
-def test_plan_refuses_decode_context_parallelism_for_window_layers():
-    from kvpage.costmodel import ParallelConfig
+def test_plan_splits_window_groups_over_decode_context_parallel_ranks():
+    """DCP with window layers, as LLM runs it: block ids are virtual blocks (block_size on each rank), so the
+    window groups' blocks per sequence and the longest context are counted in them; a window that D * I does
+    not divide is refused by name."""
+    from dataclasses import replace
 
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported for a model with sliding"):
-        ParallelConfig(GEMMA3, 32, 2)
+    from kvpage.costmodel import ParallelConfig, rank_capacity
+
+    h100 = get_device("h100")
+    tp, dcp = ParallelConfig(GEMMA3, 16, 1), ParallelConfig(GEMMA3, 32, 2)  # one KV head per rank both
+    one, two = (rank_capacity(pc, h100, 2, mean_len=16000) for pc in (tp, dcp))
+    # A block id is 32 positions at D=2: the window groups hold ceil(1024 / 32) + 1 = 33 each.
+    assert two.max_context_tokens == (two.blocks_per_rank - 6 * 33) * 32
+    assert two.max_context_tokens > one.max_context_tokens
+    odd = replace(GEMMA3, layer_windows=tuple(w and 1000 for w in GEMMA3.layer_windows))
+    with pytest.raises(ValueError, match="sliding_window=1000 must be a multiple"):
+        ParallelConfig(odd, 32, 2, dcp_kv_cache_interleave_size=16)  # 1000 % (16 * 2) == 8

@@ -1,6 +1,6 @@
 """TP=2 on a hybrid KV cache: every rank lays its cache out in the model's KV-cache groups (derived from its
 config) and runs the driver's per-group block tables from the step broadcast; greedy tokens equal TP=1's,
-also under swap preemption; decode context parallelism with several groups is refused by name."""
+also under swap preemption (decode context parallelism with several groups: test_dcp_hybrid.py)."""
 from __future__ import annotations
 
 import pytest
@@ -50,9 +50,3 @@ def test_tp2_hybrid_greedy_under_preemption(case, mode):
     # A rank holds half the KV heads (4 of head_dim 16) of group_size = 2 layers, K and V, per block id.
     per_rank = 20 * 2 * 2 * 4 * 8 * 16 * 4
     assert stats["kv_cache_bytes_per_rank"] == [per_rank, per_rank]
-
-
-def test_decode_context_parallel_with_several_groups_is_refused():
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported.*hybrid KV cache"):
-        kvpage.LLM(model=tiny_qwen2_sliding(), num_kv_blocks=16, block_size=8, tensor_parallel_size=2,
-                   decode_context_parallel_size=2)

@@ -1,10 +1,13 @@
 """One DCP group simulated in one process: each rank writes the positions it keeps and attends over them
 (model/context_parallel.py), and the merged partials must equal attention over one whole cache
-(ops/reference.py), for decode, prefill and chunked-prefill steps."""
+(ops/reference.py), for decode, prefill and chunked-prefill steps, with and without a sliding window."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvpage import ops
+from kvpage.core import NULL_BLOCK, first_kept_block
 from kvpage.core.context_parallel import ContextParallelPlacement
 from kvpage.model.context_parallel import local_attention, local_slot_mapping, localize, tokens_on_rank
 from kvpage.model.metadata import AttentionMetadata
@@ -26,13 +29,29 @@ def _step(placement, starts, query_lens, generator):
     return meta, torch.tensor(positions), tables
 
 
+def _null_before_windows(meta, tables, starts, window, vbs):
+    """meta whose block tables hold NULL_BLOCK (-1) for the virtual blocks a window group has freed: every
+    block wholly before the first position the step's queries can see, max(0, start - W + 1)."""
+    width = meta.block_tables.shape[1]
+    nulled = [[NULL_BLOCK if b < first_kept_block(start, window, vbs) else block for b, block in enumerate(table)]
+              for table, start in zip(tables, starts)]
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in nulled], dtype=torch.int32)
+    return replace(meta, block_tables=padded)
+
+
 @pytest.mark.parametrize("size,interleave,block_size", [(2, 1, 8), (2, 4, 8), (3, 2, 4), (4, 1, 16)])
 @pytest.mark.parametrize("starts,query_lens", [([0, 0, 0], [1, 9, 40]),  # prefill (one-token prompt included)
                                               ([5, 31, 0], [1, 1, 1]),  # decode, a first-position one too
-                                              ([7, 20], [12, 1])])  # chunked prefill beside a decode
-def test_partials_merge_to_whole_attention(size, interleave, block_size, starts, query_lens):
+                                              ([7, 20], [12, 1]),  # chunked prefill beside a decode
+                                              ([37, 50, 26], [1, 1, 9])])  # past small windows
+@pytest.mark.parametrize("window_cycles", [None, 1, 3, 8])  # W = cycles * I * D: in-block, mid-block, > context
+def test_partials_merge_to_whole_attention(size, interleave, block_size, starts, query_lens, window_cycles):
+    """Windowed too: each rank attends within W / D local keys (the window group's tables NULL before the
+    window), and the merge equals attention within W over the whole cache."""
     g = torch.Generator().manual_seed(size * 100 + interleave)
     placement = ContextParallelPlacement(size, interleave, block_size)
+    window = None if window_cycles is None else window_cycles * interleave * size
+    options = {} if window is None else {"sliding_window": window}
     heads, kv_heads, dim = 4, 1, 16
     meta, positions, tables = _step(placement, starts, query_lens, g)
     total = [s + n for s, n in zip(starts, query_lens)]
@@ -40,6 +59,8 @@ def test_partials_merge_to_whole_attention(size, interleave, block_size, starts,
     values = [torch.randn(n, kv_heads, dim, generator=g) for n in total]
     query = torch.randn(len(positions), heads, dim, generator=g)
     scale = dim**-0.5
+    rank_meta = meta if window is None else _null_before_windows(meta, tables, starts, window,
+                                                                 placement.virtual_block_size)
 
     outs, lses = [], []
     for rank in range(size):
@@ -50,8 +71,9 @@ def test_partials_merge_to_whole_attention(size, interleave, block_size, starts,
             vbs = placement.virtual_block_size
             slots = torch.tensor([table[p // vbs] * vbs + p % vbs for p in range(total[s])])
             ops.reshape_and_cache(keys[s], values[s], *cache, local_slot_mapping(placement, rank, slots))
-        cp = localize(placement, rank, meta, positions)
-        out, lse = local_attention(query, *cache, cp, scale)
+        cp = localize(placement, rank, rank_meta, positions)
+        local = {} if window is None else {"sliding_window": window // size}
+        out, lse = local_attention(query, *cache, cp, scale, **local)
         outs.append(out)
         lses.append(lse)
     merged, _ = ops.merge_attention_states(torch.stack(outs), torch.stack(lses))
@@ -61,7 +83,7 @@ def test_partials_merge_to_whole_attention(size, interleave, block_size, starts,
         ops.reshape_and_cache(keys[s], values[s], *whole, torch.arange(total[s]) + s * 64)
     qsl = meta.query_start_loc
     expected = reference.paged_prefill_attention(query, *whole, torch.arange(len(total), dtype=torch.int32)[:, None],
-                                                 qsl, meta.seq_lens, scale)
+                                                 qsl, meta.seq_lens, scale, **options)
     torch.testing.assert_close(merged, expected, atol=2e-5, rtol=1e-5)
 
 

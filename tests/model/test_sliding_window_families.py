@@ -17,7 +17,7 @@ from greedy_driver import assert_same_greedy, hf_greedy, run_greedy
 from kvpage import SamplingParams
 from kvpage.core import num_blocks_per_seq
 from kvpage.engine.model_config import layer_sliding_windows
-from kvpage.model import HFForward, ModelInput, ModelRunner, SequenceInput, paged_attention_forward
+from kvpage.model import HFForward, ModelInput, ModelRunner, SequenceInput
 from kvpage.model.llama import LlamaForward
 from kvpage.model.runner import model_kv_cache_layout
 from family_models import WINDOW_FAMILIES, family_model, family_pair, random_prompts
@@ -154,7 +154,7 @@ def test_beam_search_matches_hf(family):
 
 def test_what_the_kernels_cannot_compute_is_refused_by_name():
     """A layer type without a kernel (Llama 4's chunked attention), bidirectional attention (Gemma 3's
-    use_bidirectional_attention), decode context parallelism over window layers, a layer whose own window is not its config's (the KV-cache groups would
+    use_bidirectional_attention), a layer whose own window is not its config's (the KV-cache groups would
     free blocks it reads), sinks that are not one per query head: refused before any step runs."""
     chunked = family_model("qwen2_sliding")
     chunked.config.layer_types = ["full_attention", "chunked_attention", "sliding_attention"]
@@ -162,8 +162,6 @@ def test_what_the_kernels_cannot_compute_is_refused_by_name():
         ModelRunner(chunked, num_kv_blocks=8)
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
         ModelRunner(family_model("gemma3", use_bidirectional_attention=True), num_kv_blocks=8)
-    with pytest.raises(NotImplementedError, match="decode context parallelism does not support sliding-window"):
-        LlamaForward.build(family_model("mistral"), attention=paged_attention_forward)  # as a DCP rank's
     mismatched = family_model("gemma2")
     mismatched.model.layers[1].self_attn.sliding_window = 16  # a full-attention layer by its config
     with pytest.raises(NotImplementedError, match="layer 1 attends within a window of 16, its config says None"):

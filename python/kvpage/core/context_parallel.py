@@ -58,6 +58,27 @@ def check_dcp_sizes(decode_context_parallel_size, dcp_kv_cache_interleave_size, 
         raise ValueError(f"dcp_kv_cache_interleave_size={i} must divide block_size={block_size}")
 
 
+def check_dcp_attention(decode_context_parallel_size: int, dcp_kv_cache_interleave_size: int, layer_windows,
+                        has_sinks: bool) -> None:
+    """What DCP needs of a model's attention (LLM checks it before any worker starts), as ValueErrors naming
+    the argument. A sliding window W with W % (I * D) == 0 holds exactly W / D positions of every rank, the
+    last W / D it keeps at or before the query (contiguous in its local order), so each rank attends within
+    a window of W / D local keys; any other W does not split evenly. Attention sinks are refused: the merge
+    of the ranks' partials would count a sink once per rank. layer_windows: each layer's window or None."""
+    d, i = decode_context_parallel_size, dcp_kv_cache_interleave_size
+    if d == 1:
+        return
+    for window in sorted({w for w in layer_windows if w is not None}):
+        if window % (i * d):
+            raise ValueError(f"sliding_window={window} must be a multiple of dcp_kv_cache_interleave_size *"
+                             f" decode_context_parallel_size = {i} * {d} (each rank then holds window / {d}"
+                             f" of every window's positions); use other DCP sizes or decode_context_parallel_size=1")
+    if has_sinks:
+        raise ValueError(f"decode_context_parallel_size={d} does not support attention sinks (the merge of the"
+                         f" ranks' partial results would count the sink once per rank); use"
+                         f" decode_context_parallel_size=1")
+
+
 def check_context_parallel(tensor_parallel_size: int, decode_context_parallel_size, dcp_kv_cache_interleave_size,
                            block_size: int, num_heads: int, num_kv_heads: int) -> None:
     """vLLM's rules, as ValueErrors naming the argument: D divides T, D uses only the KV-head replication

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpage.core.context_parallel import ContextParallelPlacement, check_context_parallel, kv_head_replication
+from kvpage.core.context_parallel import (ContextParallelPlacement, check_context_parallel, check_dcp_attention,
+                                          kv_head_replication)
 from kvpage.core.kv_cache_groups import num_blocks_per_seq
 
 from .device import Device
@@ -52,9 +53,8 @@ class ParallelConfig:
         m = self.model
         check_context_parallel(self.tensor_parallel_size, self.decode_context_parallel_size,
                                self.dcp_kv_cache_interleave_size, self.block_size, m.num_heads, m.num_kv_heads)
-        if self.decode_context_parallel_size > 1 and any(w is not None for w in m.layer_windows):
-            raise ValueError(f"decode_context_parallel_size={self.decode_context_parallel_size} is not supported for a"
-                             f" model with sliding-window layers ({m.name}); use decode_context_parallel_size=1")
+        check_dcp_attention(self.decode_context_parallel_size, self.dcp_kv_cache_interleave_size, m.layer_windows,
+                            has_sinks=False)
 
     @property
     def kv_head_replication(self) -> int:
@@ -137,9 +137,9 @@ def rank_capacity(pc: ParallelConfig, device: Device, dtype_bytes: int, mean_len
                          f" {device.name} at tensor_parallel_size={pc.tensor_parallel_size}")
     blocks = int(budget // pc.rank_block_bytes(dtype_bytes))
     layout = pc.model.kv_cache_layout
-    if layout.is_hybrid:  # window groups hold their window's blocks only (no DCP: the plan refuses it)
-        return RankCapacity(budget, blocks, _longest_hybrid_context(layout, blocks, pc.block_size),
-                            int(blocks // expected_paged_blocks(layout, mean_len, pc.block_size)))
+    if layout.is_hybrid:  # window groups hold their window's blocks only, counted in block ids (virtual blocks)
+        return RankCapacity(budget, blocks, _longest_hybrid_context(layout, blocks, pc.virtual_block_tokens),
+                            int(blocks // expected_paged_blocks(layout, mean_len, pc.virtual_block_tokens)))
     per_seq = mean_len + (pc.virtual_block_tokens - 1) / 2
     return RankCapacity(budget, blocks, pc.max_context_tokens(blocks), int(pc.max_context_tokens(blocks) // per_seq))
 

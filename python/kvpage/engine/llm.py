@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvpage.core.context_parallel import check_context_parallel, check_dcp_sizes
+from kvpage.core.context_parallel import check_context_parallel, check_dcp_attention, check_dcp_sizes
 from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 from kvpage.kv_offload import check_offloading_options
@@ -112,10 +112,9 @@ class LLM:
         # block table per group, the runner a cache pair per group member, and a block id is that many layers.
         self.kv_cache_layout = model_kv_cache_layout(config)
         dcp = o.decode_context_parallel_size
-        if dcp > 1 and self.kv_cache_layout.num_groups > 1:
-            raise ValueError(f"decode_context_parallel_size={dcp} is not supported for a"
-                             f" model with sliding-window and full-attention layers (a hybrid KV cache of"
-                             f" {self.kv_cache_layout.num_groups} groups); use decode_context_parallel_size=1")
+        # DCP splits each window group's window over the ranks (core.context_parallel.check_dcp_attention).
+        check_dcp_attention(dcp, o.dcp_kv_cache_interleave_size, self.kv_cache_layout.sliding_windows,
+                            _has_attention_sinks(self.model))
         self.context_limit = _context_limit(config, o.max_model_len)
         check_context_parallel(o.tensor_parallel_size, dcp, o.dcp_kv_cache_interleave_size, o.block_size,
                                config.num_attention_heads,
@@ -322,6 +321,11 @@ class LLM:
     def _settled_stats(self) -> dict:
         self._settle()
         return self.llm_engine.stats()
+
+
+def _has_attention_sinks(model) -> bool:
+    """Whether the model's attention layers carry sinks (gpt-oss's per-head `sinks` parameter)."""
+    return any(name.rsplit(".", 1)[-1] in ("sinks", "s_aux") for name, _ in model.named_parameters())
 
 
 def _context_limit(config, requested: int | None) -> int | None:

@@ -11,6 +11,13 @@ Every query token is one row of the decode kernel, its local key count the posit
 that this rank keeps: causal prefill, chunked prefill and decode all take that one path (prefill costs more
 than the varlen kernel would; DCP is for long decodes). Per layer a rank receives (D-1)/D of the group's
 query and of its partial outputs (vLLM's all-to-all variant, not its all-gather + reduce-scatter one).
+
+Per KV-cache group (a hybrid cache): each group's virtual slots and block tables become this rank's alike
+(the rows' local lengths are the group's too). A sliding window W, a multiple of I * D (checked before the
+model loads: core.context_parallel.check_dcp_attention), holds exactly W / D of this rank's positions, the
+last W / D it keeps at or before the query, so the rank attends within a window of W / D local keys. Their
+local blocks are never before the group's first kept virtual block: a virtual block holds block_size of each
+rank's positions, so a position's local block index is its virtual block index.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpage import ops
-from kvpage.core.context_parallel import ContextParallelPlacement
+from kvpage.core.context_parallel import ContextParallelPlacement, check_dcp_attention
 
 from .metadata import AttentionMetadata
 
@@ -51,22 +58,49 @@ def tokens_on_rank(placement: ContextParallelPlacement, rank: int, lengths: torc
 
 def localize(placement: ContextParallelPlacement, rank: int, meta: AttentionMetadata,
              positions: torch.Tensor) -> ContextParallelMetadata:
-    """This rank's slots and per-token attention rows for a step the driver laid out in virtual blocks."""
+    """This rank's slots and per-token attention rows for a step the driver laid out in virtual blocks
+    (of meta's block tables and slot mapping: one KV-cache group's)."""
+    seq_index, lens = _local_rows(placement, rank, meta, positions)
+    return _localize_group(placement, rank, meta, seq_index, lens)
+
+
+def _local_rows(placement: ContextParallelPlacement, rank: int, meta: AttentionMetadata,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's sequence index, its local key count at or before its position): the same in every group."""
     positions = positions.reshape(-1)
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     seq_index = torch.repeat_interleave(torch.arange(meta.num_seqs, device=positions.device), query_lens,
                                         output_size=positions.shape[0])
-    lens = tokens_on_rank(placement, rank, positions + 1)
+    return seq_index, tokens_on_rank(placement, rank, positions + 1)
+
+
+def _localize_group(placement: ContextParallelPlacement, rank: int, meta: AttentionMetadata,
+                    seq_index: torch.Tensor, lens: torch.Tensor) -> ContextParallelMetadata:
     return ContextParallelMetadata(local_slot_mapping(placement, rank, meta.slot_mapping),
                                    meta.block_tables.index_select(0, seq_index),
                                    lens.clamp(min=1).to(torch.int32), lens == 0)
 
 
+def localize_groups(placement: ContextParallelPlacement, rank: int, meta: AttentionMetadata,
+                    positions: torch.Tensor) -> AttentionMetadata:
+    """meta with this rank's layout in every KV-cache group's view (for_group / for_layer read it)."""
+    seq_index, lens = _local_rows(placement, rank, meta, positions)
+    if meta.group_block_tables is None:
+        return replace(meta, context_parallel=_localize_group(placement, rank, meta, seq_index, lens))
+    local = replace(meta)  # a fresh per-group cache, so the views below are this copy's
+    for group in range(local.num_groups):
+        view = local.for_group(group)
+        view.context_parallel = _localize_group(placement, rank, view, seq_index, lens)
+    local.context_parallel = local.for_group(0).context_parallel
+    return local
+
+
 def local_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    cp: ContextParallelMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, H, d], lse float32 [T, H]) of each query row over this rank's keys; lse -inf on empty rows."""
+                    cp: ContextParallelMetadata, scale: float, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H, d], lse float32 [T, H]) of each query row over this rank's keys; lse -inf on empty rows.
+    options: the paged op's sliding_window (in local keys: the layer's window / D) and softcap."""
     out, lse = ops.paged_attention(query, key_cache, value_cache, cp.block_tables, cp.seq_lens, scale=scale,
-                                   return_lse=True)
+                                   return_lse=True, **options)
     return out, lse.masked_fill(cp.empty[:, None], float("-inf"))
 
 
@@ -78,16 +112,26 @@ class ContextParallelAttention:
         self.placement, self.rank, self.group = placement, rank, group
 
     def localize(self, meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
-        return replace(meta, context_parallel=localize(self.placement, self.rank, meta, positions))
+        return localize_groups(self.placement, self.rank, meta, positions)
+
+    def local_options(self, sliding_window: int | None, softcap: float | None, sinks) -> dict:
+        """The paged op's options on this rank's keys: the window in local keys (W / D)."""
+        size = self.placement.size
+        check_dcp_attention(size, self.placement.interleave, [sliding_window], sinks is not None)
+        options = {} if sliding_window is None else {"sliding_window": sliding_window // size}
+        return options if softcap is None else {**options, "softcap": softcap}
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, h, d] (this rank's heads), key/value [T, kv, d] -> out [T, h, d]."""
+                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, h, d] (this rank's heads), key/value [T, kv, d] -> out [T, h, d]. meta: the layer's
+        KV-cache group's view (for_layer), localized (localize)."""
         cp = meta.context_parallel
         ops.reshape_and_cache(key, value, key_cache, value_cache, cp.slot_mapping)
         tokens, heads, dim = query.shape
         group_query = torch.cat(self.group.all_gather(query.contiguous()), dim=1)
-        out, lse = local_attention(group_query, key_cache, value_cache, cp, scale)
+        out, lse = local_attention(group_query, key_cache, value_cache, cp, scale,
+                                   **self.local_options(sliding_window, softcap, sinks))
         # [T, D*h, ...] -> [D, T, h, ...]: slice j goes to rank j, which receives every rank's slice of its heads.
         size = self.placement.size
         send_out = out.view(tokens, size, heads, dim).transpose(0, 1).contiguous()

@@ -240,9 +240,6 @@ class LlamaForward:
         windows = layer_sliding_windows(config)
         decoder = [DecoderLayer.of(layer, config, window) for layer, window in zip(base.layers, windows)]
         if attention is not None:
-            if any(w is not None for w in windows):
-                raise NotImplementedError("decode context parallelism does not support sliding-window layers"
-                                          f" (this {config.model_type} model's windows: {sorted(set(windows) - {None})})")
             decoder = [replace(layer, attention=attention) for layer in decoder]
         lm_head = Linear.of(head)
         if uses_slab_backend(model):

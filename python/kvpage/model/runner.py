@@ -113,16 +113,13 @@ def model_kv_cache_layout(config) -> KVCacheLayout:
     return kv_cache_groups.kv_cache_layout(layer_sliding_windows(config))
 
 
-def check_kv_cache_layout(layout: KVCacheLayout, num_layers: int, context_parallel) -> None:
+def check_kv_cache_layout(layout: KVCacheLayout, num_layers: int) -> None:
     """A layout this runner can allocate for a model of num_layers layers, or ValueError naming the argument."""
     if not isinstance(layout, KVCacheLayout):
         raise ValueError(f"kv_cache_layout must be a kvpage.core.KVCacheLayout or None, got {type(layout).__name__}")
     if sorted(l for g in layout.groups for l in g.layer_ids) != list(range(num_layers)):
         raise ValueError(f"kv_cache_layout must place each of the model's {num_layers} layers in exactly one group,"
                          f" got groups {[g.layer_ids for g in layout.groups]}")
-    if layout.num_groups > 1 and context_parallel is not None:
-        raise ValueError("decode_context_parallel_size > 1 with a hybrid KV cache (several KV-cache groups)"
-                         " is not supported: run this model without decode context parallelism")
 
 
 # Models some runner serves: rounding one in place (weight_dtype) would change weights under that runner's
@@ -202,7 +199,7 @@ class ModelRunner(Executor):
         self.num_kv_blocks, self.num_host_blocks = num_kv_blocks, num_host_blocks
         self.num_layers = self.config.num_hidden_layers
         self.layout = kv_cache_layout or kv_cache_groups.kv_cache_layout([None] * self.num_layers)
-        check_kv_cache_layout(self.layout, self.num_layers, context_parallel)
+        check_kv_cache_layout(self.layout, self.num_layers)
         self.layer_groups = tuple(self.layout.layer_slot(l)[0] for l in range(self.num_layers))
         self.num_kv_heads = (num_kv_heads or getattr(self.config, "num_key_value_heads", None)
                              or self.config.num_attention_heads)
