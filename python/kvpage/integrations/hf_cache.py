@@ -335,7 +335,7 @@ class PagedCache(Cache):
         if tuple(padding_mask.shape) != expected:
             raise ValueError(f"attention_mask has shape {tuple(padding_mask.shape)}; with {self.get_seq_length()}"
                              f" columns cached and {query_len} new, the PagedCache expects {expected}"
-                             + _use_cache_hint(padding_mask.shape[1], query_len, self.get_seq_length()))
+                             + _use_cache_hint(padding_mask.shape, query_len, self.get_seq_length()))
         real = padding_mask[:, -query_len:].to("cpu", torch.bool)
         return None if bool(real.all()) else real
 
@@ -394,10 +394,10 @@ class PagedCache(Cache):
                              f" {self.dtype} on {self.device} (pass dtype=/device= to match the model, or None)")
 
 
-def _use_cache_hint(mask_columns: int, query_len: int, cached: int) -> str:
-    """(issue 49, C's edit) A mask of the new tokens only, over a cache that holds some: what a call with
-    use_cache=False gives (each step re-feeds the whole sequence, which the cache already holds)."""
-    if cached and mask_columns == query_len:
+def _use_cache_hint(mask_shape: torch.Size, query_len: int, cached: int) -> str:
+    """A 2D mask of the new tokens only, over a cache that holds some: what a call with use_cache=False
+    gives (each step re-feeds the whole sequence, which the cache already holds)."""
+    if cached and len(mask_shape) == 2 and mask_shape[1] == query_len:
         return (". This is what use_cache=False gives (every step feeds the whole sequence again): a PagedCache"
                 " needs use_cache=True (generate's default)")
     return ""
