@@ -96,7 +96,7 @@ class Scheduler:
         if n > 1 and beam_width > 1:
             raise ValueError(f"request {request_id!r}: n={n} with beam_width={beam_width}; beam search returns"
                              " beam_width beams")
-        self._check_fits(request_id, seq.num_tokens, max_tokens, max(n, beam_width))
+        self.check_fits(request_id, seq.num_tokens, max_tokens, max(n, beam_width))
         self._next_seq_id += 1
         request = Request(request_id, SequenceGroup(request_id, [seq]), max_tokens, n, beam_width, eos_token_id,
                           frozenset(stop_token_ids), ignore_eos, arrival_order=self._next_arrival,
@@ -108,7 +108,7 @@ class Scheduler:
             self.waiting.append(request)
         return request
 
-    def _check_fits(self, request_id: str, num_prompt: int, max_tokens: int, n: int) -> None:
+    def check_fits(self, request_id: str, num_prompt: int, max_tokens: int, n: int) -> None:
         """Reject up front what no amount of waiting or preemption could ever run."""
         cfg = self.config
         if n > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):

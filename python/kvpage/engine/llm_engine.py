@@ -140,7 +140,7 @@ class LLMEngine:
             self._check_min_tokens_reachable(params, held_back)
         self._check_logprobs(params)
         # n (or beam_width) sample records are built next: what the scheduler would refuse is refused first.
-        self.scheduler._check_fits(request_id, len(token_ids), params.max_tokens, max(params.n, params.beam_width))
+        self.scheduler.check_fits(request_id, len(token_ids), params.max_tokens, max(params.n, params.beam_width))
         extra_keys = cache_salt_keys(cache_salt)
         # Everything that can fail is done before the scheduler hears of the request (admission is
         # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.

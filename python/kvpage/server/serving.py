@@ -72,7 +72,7 @@ class ServingContext:
 
         def fits(max_tokens: int) -> bool:
             try:
-                scheduler._check_fits("", num_prompt, max_tokens, n)  # constants only: safe off the loop thread
+                scheduler.check_fits("", num_prompt, max_tokens, n)  # constants only: safe off the loop thread
             except ValueError:
                 return False
             return True
