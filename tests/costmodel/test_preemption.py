@@ -65,3 +65,12 @@ def test_rows_report_the_engines_choice():
     assert [r["engine_picks"] for r in rows] == ["recompute", "swap"]
     assert rows[0]["ratio_no_overhead"] == pytest.approx(rows[1]["ratio_no_overhead"])
     assert rows[1]["recompute_attention_s"] > rows[1]["recompute_s"]  # the causal term adds FLOPs
+
+
+def test_a_flat_swap_fit_gives_an_infinite_ratio_not_a_division_error():
+    """A link fitted as infinitely fast (time flat in size, CI's tiny model) makes swap free."""
+    flat = Device("flat", "a flat fit", memory_bytes=2**30, memory_bandwidth=1e10, peak_flops=1e12,
+                  link_bandwidth=math.inf, transfer_overhead_s=0.0)
+    model = SwapRecompute(LLAMA, flat)
+    assert model.swap_seconds(1024, False) == 0
+    assert model.ratio(1024) == math.inf

@@ -9,6 +9,7 @@ one mode wins everywhere; the fixed overhead is what makes short sequences cheap
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpage.core.preemption_cost import PreemptionCostModel
@@ -42,8 +43,10 @@ class SwapRecompute:
         return self.core().recompute_cost(num_tokens)
 
     def ratio(self, num_tokens: int, with_overhead: bool = False) -> float:
-        """recompute / swap: above 1, swap is cheaper."""
-        return self.recompute_seconds(num_tokens) / self.swap_seconds(num_tokens, with_overhead)
+        """recompute / swap: above 1, swap is cheaper; inf where a fitted link is so fast that the swap
+        costs nothing measurable (a flat fit on a small model)."""
+        swap = self.swap_seconds(num_tokens, with_overhead)
+        return self.recompute_seconds(num_tokens) / swap if swap > 0 else math.inf
 
     def crossover_tokens(self, with_overhead: bool = True, block_size: int = 1) -> int | None:
         """Smallest sequence length at which swap is cheaper: 1 means from the first token (no
