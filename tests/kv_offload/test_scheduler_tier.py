@@ -82,9 +82,10 @@ def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write
 
 
 def check_tier(tier: HostMemoryTier, block_size: int) -> None:
-    entries = tier._entries
-    assert tier.used_bytes == sum(len(p) for _, p in entries.values()) <= tier.capacity_bytes
-    for block_hash, (key, payload) in entries.items():
+    entries = tier.entries()
+    assert len({h for h, _, _ in entries}) == len(entries) == len(tier)  # one entry per hash
+    assert tier.used_bytes == sum(len(p) for _, _, p in entries) <= tier.capacity_bytes
+    for block_hash, key, payload in entries:
         assert key.digest() == block_hash and payload == key.token_bytes
 
 

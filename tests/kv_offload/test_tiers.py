@@ -39,6 +39,21 @@ def store(tier, items):
     tier.flush()
 
 
+def test_lru_index_both_tiers_share():
+    index = tiers.LRUIndex()
+    for name, size in ((b"a", 3), (b"b", 4), (b"c", 5)):
+        index.add(name, size, name.upper())
+    assert index.use(b"a") == b"A" and index.use(b"zz") is None  # "a" is now the most recently used
+    assert not index.add(b"b", 40, b"?", replace=False) and index.bytes == 12  # kept, touched: "c" is the oldest
+    assert index.pop_lru_over(12) is None  # within capacity: nothing
+    assert index.pop_lru_over(12, incoming=1) == (b"c", b"C") and index.bytes == 7
+    index.add(b"a", 10, b"A2")  # replaced: its old size no longer counts
+    assert index.bytes == 14 and len(index) == 2 and b"c" not in index
+    index.discard(b"a")
+    index.discard(b"a")
+    assert index.bytes == 4 and [h for h, _ in index.items()] == [b"b"]
+
+
 def test_host_tier_returns_exact_bytes_and_evicts_lru():
     items = entries(4)
     size = len(items[0][2])

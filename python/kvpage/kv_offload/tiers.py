@@ -67,44 +67,119 @@ class TierStats:
         self.rejected_blocks = 0  # entries found but failing a check (corrupt, truncated, foreign)
 
 
-class HostMemoryTier:
-    """Blocks in host memory (behind a GPU pool; also the tier of choice for tests): an LRU of
-    hash -> (key, payload bytes) holding at most capacity_bytes of payload."""
+class LRUIndex:
+    """A tier's entries: block hash -> (size in bytes, value), least recently used first, and the sizes'
+    sum. Thread-safe (the disk tier's writer thread adds entries while the scheduler looks them up)."""
 
-    name = "host"
+    def __init__(self) -> None:
+        self._entries: OrderedDict[bytes, tuple[int, object]] = OrderedDict()
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._entries
+
+    def items(self) -> list[tuple[bytes, tuple[int, object]]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def use(self, block_hash: bytes):
+        """The entry's value, now the most recently used; None if absent."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None:
+                return None
+            self._entries.move_to_end(block_hash)
+            return entry[1]
+
+    def add(self, block_hash: bytes, size: int, value=None, replace: bool = True) -> bool:
+        """Index the entry as the most recently used; replace=False keeps an existing one (False returned)."""
+        with self._lock:
+            old = self._entries.pop(block_hash, None)
+            if old is not None:
+                if not replace:
+                    self._entries[block_hash] = old
+                    self._entries.move_to_end(block_hash)
+                    return False
+                self.bytes -= old[0]
+            self._entries[block_hash] = (size, value)
+            self.bytes += size
+            return True
+
+    def discard(self, block_hash: bytes) -> None:
+        with self._lock:
+            old = self._entries.pop(block_hash, None)
+            if old is not None:
+                self.bytes -= old[0]
+
+    def pop_lru_over(self, capacity_bytes: int, incoming: int = 0) -> tuple[bytes, object] | None:
+        """The least recently used entry, removed, while the sizes plus `incoming` exceed capacity_bytes;
+        None once they fit (or nothing is left)."""
+        with self._lock:
+            if not self._entries or self.bytes + incoming <= capacity_bytes:
+                return None
+            block_hash, (size, value) = self._entries.popitem(last=False)
+            self.bytes -= size
+            return block_hash, value
+
+
+class _Tier:
+    """What both tiers share: an LRU index within capacity_bytes, and counters."""
+
+    name = ""
 
     def __init__(self, capacity_bytes: int) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, tuple[BlockKey, bytes]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self._index = LRUIndex()
         self.stats = TierStats()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
     @property
     def used_bytes(self) -> int:
-        return self._bytes
+        return self._index.bytes
 
     def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self._entries
+        return block_hash in self._index
 
     def touch(self, block_hash: bytes) -> None:
-        with self._lock:
-            if block_hash in self._entries:
-                self._entries.move_to_end(block_hash)
+        self._index.use(block_hash)
+
+    def _evict_over_capacity(self, incoming: int = 0) -> None:
+        """Evict least recently used entries until `incoming` more bytes fit."""
+        while (evicted := self._index.pop_lru_over(self.capacity_bytes, incoming)) is not None:
+            self._on_evicted(*evicted)
+            self.stats.evicted_blocks += 1
+
+    def _on_evicted(self, block_hash: bytes, value) -> None:
+        pass
+
+    def _count_read(self, payload) -> None:
+        self.stats.read_blocks += 1
+        self.stats.read_bytes += len(payload)
+
+    def _count_stored(self, payload) -> None:
+        self.stats.stored_blocks += 1
+        self.stats.stored_bytes += len(payload)
+
+
+class HostMemoryTier(_Tier):
+    """Blocks in host memory (behind a GPU pool; also the tier of choice for tests): an LRU of
+    hash -> (key, payload bytes) holding at most capacity_bytes of payload. Stores are synchronous."""
+
+    name = "host"
 
     def get(self, block_hash: bytes, key: BlockKey) -> bytes | None:
-        with self._lock:
-            entry = self._entries.get(block_hash)
-            if entry is None or entry[0] != key:
-                return None
-            self._entries.move_to_end(block_hash)
-        self.stats.read_blocks += 1
-        self.stats.read_bytes += len(entry[1])
+        entry = self._index.use(block_hash)
+        if entry is None or entry[0] != key:
+            return None
+        self._count_read(entry[1])
         return entry[1]
 
     def put(self, block_hash: bytes, key: BlockKey, payload) -> None:
@@ -112,18 +187,14 @@ class HostMemoryTier:
         if len(payload) > self.capacity_bytes:
             self.stats.dropped_blocks += 1
             return
-        with self._lock:
-            old = self._entries.pop(block_hash, None)
-            if old is not None:
-                self._bytes -= len(old[1])
-            while self._entries and self._bytes + len(payload) > self.capacity_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self._bytes -= len(evicted)
-                self.stats.evicted_blocks += 1
-            self._entries[block_hash] = (key, payload)
-            self._bytes += len(payload)
-        self.stats.stored_blocks += 1
-        self.stats.stored_bytes += len(payload)
+        self._index.discard(block_hash)
+        self._evict_over_capacity(len(payload))
+        self._index.add(block_hash, len(payload), (key, payload))
+        self._count_stored(payload)
+
+    def entries(self) -> list[tuple[bytes, BlockKey, bytes]]:
+        """(hash, key, payload) of every entry, least recently used first (tests check the invariants)."""
+        return [(h, key, payload) for h, (_, (key, payload)) in self._index.items()]
 
     def flush(self) -> None:
         """Stores are synchronous here: nothing to wait for."""
@@ -141,7 +212,7 @@ def _write_file(path: str, chunks) -> None:
         os.fsync(f.fileno())
 
 
-class DiskTier:
+class DiskTier(_Tier):
     """Blocks in files under directory/<fingerprint>/ (see the module docstring), at most capacity_bytes
     of them (this process's view: the least recently used files are removed past it). Writes happen on a
     background thread fed by a bounded queue, so a step never waits for the disk; reads are synchronous
@@ -150,32 +221,19 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, directory, fingerprint: str, capacity_bytes: int) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        super().__init__(capacity_bytes)
         if not isinstance(fingerprint, str) or len(fingerprint) != 32:
             raise ValueError(f"fingerprint must be 32 hex digits, got {fingerprint!r}")
         self.fingerprint = fingerprint
         self._fingerprint_bytes = bytes.fromhex(fingerprint)
-        self.capacity_bytes = capacity_bytes
         self.directory = Path(directory).expanduser() / fingerprint
         _check_writable(self.directory, directory)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
-        self._bytes = 0
-        self.stats = TierStats()
         self._warned_write = False
         self.closed = False  # after close(): stores are dropped, nothing waits for the writer
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
         self._writer = threading.Thread(target=self._write_loop, name="kvpage-disk-tier", daemon=True)
         self._writer.start()
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._bytes
 
     # -- the index -----------------------------------------------------------------------------
 
@@ -203,8 +261,7 @@ class DiskTier:
                 elif path.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
                     _unlink(path)  # a writer that crashed before its rename
         for _, block_hash, size in sorted(found):
-            self._index[block_hash] = size
-            self._bytes += size
+            self._index.add(block_hash, size)
 
     def contains(self, block_hash: bytes) -> bool:
         if block_hash in self._index:
@@ -214,22 +271,11 @@ class DiskTier:
             size = self._path(block_hash).stat().st_size
         except OSError:
             return False
-        with self._lock:
-            if block_hash not in self._index:
-                self._index[block_hash] = size
-                self._bytes += size
+        self._index.add(block_hash, size, replace=False)
         return True
 
-    def touch(self, block_hash: bytes) -> None:
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
-
     def _forget(self, block_hash: bytes, remove_file: bool) -> None:
-        with self._lock:
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self._bytes -= size
+        self._index.discard(block_hash)
         if remove_file:
             _unlink(self._path(block_hash))
 
@@ -255,8 +301,7 @@ class DiskTier:
             self._reject(block_hash, path, problem)
             return None
         self.touch(block_hash)
-        self.stats.read_blocks += 1
-        self.stats.read_bytes += len(payload)
+        self._count_read(payload)
         return payload
 
     def _parse(self, data: memoryview, block_hash: bytes, key: BlockKey) -> tuple[str | None, memoryview | None]:
@@ -344,23 +389,12 @@ class DiskTier:
             self._warn_write(e)
             return
         size = len(header) + len(key.token_bytes) + len(extra) + len(payload)
-        with self._lock:
-            if block_hash not in self._index:
-                self._index[block_hash] = size
-                self._bytes += size
-        self.stats.stored_blocks += 1
-        self.stats.stored_bytes += len(payload)
+        self._index.add(block_hash, size, replace=False)
+        self._count_stored(payload)
         self._evict_over_capacity()
 
-    def _evict_over_capacity(self) -> None:
-        while True:
-            with self._lock:
-                if self._bytes <= self.capacity_bytes or not self._index:
-                    return
-                block_hash, size = self._index.popitem(last=False)
-                self._bytes -= size
-            _unlink(self._path(block_hash))
-            self.stats.evicted_blocks += 1
+    def _on_evicted(self, block_hash: bytes, value) -> None:
+        _unlink(self._path(block_hash))
 
     def _warn_write(self, error: Exception) -> None:
         if not self._warned_write:  # once: a full disk would otherwise warn on every block
