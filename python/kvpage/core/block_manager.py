@@ -296,7 +296,9 @@ class BlockManager:
         return self.num_blocks_to_append(plan) <= self.device.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> BlockMapping:
-        """Make slots for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
+        """Make slots for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens), the
+        sequence's proposed tokens (spec_token_ids) counting as tokens after its last (lookahead slots:
+        whatever of them is rejected stays uncomputed, and the next step overwrites its slots).
 
         A new block is drawn only when the last one is full. A block about to be written that other
         tables also point at is replaced by a private block first (copy-on-write); the returned
@@ -306,7 +308,8 @@ class BlockManager:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         table = seq.block_tables[0]  # not the block_table property: a call per token adds up
-        if num_new_tokens < 1 or end > len(seq.token_ids) or not table or seq.swapped:
+        # [spec decode] lookahead slots: a decode's proposed tokens (seq.spec_token_ids) get slots too.
+        if num_new_tokens < 1 or end > len(seq.token_ids) + len(seq.spec_token_ids) or not table or seq.swapped:
             self._reject_append(seq, num_new_tokens)
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
@@ -346,7 +349,8 @@ class BlockManager:
         if not seq.block_table:
             raise ValueError(f"seq {seq.seq_id} holds no blocks; allocate it first")
         raise ValueError(f"num_new_tokens={num_new_tokens} for seq {seq.seq_id}: need 1 <= num_new_tokens"
-                         f" <= {len(seq.token_ids) - seq.num_computed_tokens} (its uncomputed tokens)")
+                         f" <= {len(seq.token_ids) + len(seq.spec_token_ids) - seq.num_computed_tokens}"
+                         " (its uncomputed tokens and proposed tokens)")
 
     def mark_computed(self, seq: Sequence, num_new_tokens: int) -> None:
         """After a step ran: advance num_computed_tokens; blocks that just filled become cache hits."""

@@ -73,6 +73,9 @@ class Scheduler:
         # [kv tier] a KV connector (kvpage.kv_offload; the engine sets it where a tier is configured): prompt
         # blocks past the prefix cache's hit that it holds are loaded into fresh blocks instead of computed.
         self.kv_connector = None
+        # [spec decode] proposer(request, seq) -> the decode's proposed tokens (kvpage.spec_decode; the engine
+        # sets it where speculative_config is given): they run as extra query tokens in lookahead slots.
+        self.spec_proposer = None
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -221,9 +224,26 @@ class Scheduler:
             seqs = self._decode_seqs(request)
             if not seqs or not budget.fits(len(seqs), len(seqs)):
                 continue
-            if self._make_room(request, [(s, 1) for s in seqs], out, preempt_self=True):
-                for seq in seqs:
-                    self._append(request, seq, 1, out, budget)
+            plan = self._spec_plan(request, seqs, budget)  # [spec decode] [(s, 1)] without proposals
+            if self._make_room(request, plan, out, preempt_self=True):
+                for seq, n in plan:
+                    self._append(request, seq, n, out, budget)
+
+    def _spec_plan(self, request: Request, seqs: list[Sequence], budget: _Budget) -> list[tuple[Sequence, int]]:
+        """[spec decode] Each decode's tokens: 1, plus its proposed tokens where a proposer gives some and
+        they fit the budget and the free blocks as they are (lookahead never preempts anyone)."""
+        if self.spec_proposer is None:
+            return [(seq, 1) for seq in seqs]
+        for seq in seqs:
+            seq.spec_token_ids = self.spec_proposer(request, seq)
+        plan = [(seq, 1 + len(seq.spec_token_ids)) for seq in seqs]
+        if len(plan) != sum(n for _, n in plan) and not (
+                budget.fits(sum(n for _, n in plan), len(plan))
+                and self.bm.num_blocks_to_append(plan) <= self.bm.num_free_blocks):
+            for seq in seqs:
+                seq.spec_token_ids = []
+            plan = [(seq, 1) for seq in seqs]
+        return plan
 
     @staticmethod
     def _decode_seqs(request: Request) -> list[Sequence]:
@@ -374,15 +394,16 @@ class Scheduler:
     def _record(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         start = seq.num_computed_tokens
         end = start + n
-        do_sample = end == seq.num_tokens
+        spec = seq.spec_token_ids if end > seq.num_tokens else []  # [spec decode] a decode's proposed tokens
+        do_sample = end == seq.num_tokens + len(spec)
         tables = [list(table) for table in seq.block_tables]
         slots = self.bm.slot_mappings(seq, start, end)
         out.scheduled.append(ScheduledSequence(
-            request.request_id, seq.seq_id, start, n, seq.token_ids[start:end], tables[0], slots[0],
+            request.request_id, seq.seq_id, start, n, seq.token_ids[start:end] + spec, tables[0], slots[0],
             is_prefill=n > 1 or start < seq.num_prompt_tokens,
             do_sample=do_sample, num_samples=request.n if do_sample and request.needs_fork else 1,
             prompt_logit_positions=request.prompt_logit_positions(start, end), block_tables=tables,
-            slot_mappings=slots))
+            slot_mappings=slots, spec_token_ids=list(spec)))
         budget.tokens -= n
         budget.seqs -= 1
         if start < seq.num_prompt_tokens:
@@ -424,6 +445,12 @@ class Scheduler:
         finished = []
         for s, request in live:
             seq = self._seqs[s.seq_id]
+            if s.spec_token_ids:  # [spec decode] computed: the first token and the accepted drafts only
+                self._commit_spec(request, seq, tokens[s.seq_id])
+                if not request.live_seqs():
+                    self._finish_request(request)
+                    finished.append(request)
+                continue
             self.bm.mark_computed(seq, s.num_scheduled_tokens)
             if s.prompt_logit_positions:
                 request.num_prompt_logits_done = max(request.num_prompt_logits_done, s.prompt_logit_positions.stop)
@@ -436,6 +463,23 @@ class Scheduler:
             if self._apply_beam_step(request, step):
                 finished.append(request)
         return finished
+
+    def _commit_spec(self, request: Request, seq: Sequence, tokens: list[int]) -> None:
+        """[spec decode] A speculating decode's verified tokens (accepted drafts, then the target's own),
+        appended one at a time up to the first stop (eos, a stop id, max_tokens, the context limit: the rest
+        is dropped). Computed: every appended token but the last, whose K/V the step wrote from an accepted
+        token; the rejected drafts' slots are past that count and the next step overwrites them."""
+        seq.spec_token_ids = []
+        reason = None
+        for token in tokens:
+            seq.append_token(token)
+            reason = request.stop_reason(seq, self.config.max_model_len)
+            if reason is not None:
+                break
+        self.bm.mark_computed(seq, seq.num_tokens - 1 - seq.num_computed_tokens)
+        if reason is not None:
+            request.finish_reasons[seq.seq_id] = reason
+            self.bm.free(seq)
 
     def _beam_steps(self, live, beams: Mapping[str, BeamStep]) -> list[tuple[Request, BeamStep]]:
         """The selection of each beam request whose beams sampled this step, checked against them."""
@@ -542,6 +586,8 @@ class Scheduler:
             raise ValueError(f"sampled has no token for seq {s.seq_id} (request {s.request_id!r})")
         tokens = sampled[s.seq_id]
         tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+        if s.spec_token_ids:  # [spec decode]
+            return _check_spec_tokens(s, tokens)
         if len(tokens) != s.num_samples or not all(isinstance(t, int) and t >= 0 for t in tokens):
             raise ValueError(f"sampled[{s.seq_id}] must be {s.num_samples} non-negative int token id(s),"
                              f" got {sampled[s.seq_id]!r}")
@@ -588,6 +634,17 @@ class Scheduler:
             num_preemptions=self.num_swap_preemptions + self.num_recompute_preemptions,
             num_swap_preemptions=self.num_swap_preemptions,
             num_recompute_preemptions=self.num_recompute_preemptions, blocks=self.bm.stats())
+
+
+def _check_spec_tokens(s: ScheduledSequence, tokens: list[int]) -> list[int]:
+    """[spec decode] A speculating decode's tokens: a run of its proposed tokens (only those have the K/V the
+    step wrote), then one more."""
+    spec = s.spec_token_ids
+    if not 1 <= len(tokens) <= len(spec) + 1 or tokens[:-1] != spec[:len(tokens) - 1] or not all(
+            isinstance(t, int) and t >= 0 for t in tokens):
+        raise ValueError(f"sampled[{s.seq_id}] must be a prefix of the proposed tokens {spec} then one more"
+                         f" token id, got {tokens!r}")
+    return tokens
 
 
 def _reads_written(seq: Sequence, written: set[int], block_size: int) -> bool:

@@ -32,6 +32,9 @@ class ScheduledSequence:
     prompt_logit_positions: range = range(0)
     block_tables: list[list[int]] = field(default_factory=list)  # [] when built by hand: [block_table]
     slot_mappings: list[list[int]] = field(default_factory=list)  # [] when built by hand: [slot_mapping]
+    # [spec decode] the proposed tokens at the end of token_ids (a decode of 1 + k query tokens in lookahead
+    # slots): the runner returns a logits row for the real token and each of them (logits_rows).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.block_tables:
@@ -51,14 +54,16 @@ class ScheduledSequence:
 
 def logits_rows(scheduled) -> list[int]:
     """Rows of a step's flat batch (its sequences' tokens back to back) whose logits the runner
-    returns, in this order: the last token of each sequence with do_sample, in batch order, then
+    returns, in this order: the last token of each sequence with do_sample (and, before it, the real
+    token and drafts of a speculating one: 1 + k rows), in batch order, then
     each sequence's prompt_logit_positions, in batch order. A step that wants no prompt logits gets
     just the sampled rows, [sequences with do_sample, vocab]."""
     sampled, prompt, start = [], [], 0
     for s in scheduled:
         n = len(s.token_ids)
         if s.do_sample:
-            sampled.append(start + n - 1)
+            k = len(getattr(s, "spec_token_ids", ()))  # [spec decode] k + 1 rows: the drafts' verification
+            sampled.extend(range(start + n - 1 - k, start + n))
         positions = getattr(s, "prompt_logit_positions", None)  # a step object without it wants none
         if positions:
             if positions.start < s.start or positions.stop > s.start + n:

@@ -38,6 +38,9 @@ class Sequence:
     num_computed_tokens: int = 0
     swapped: bool = False
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # [spec decode] this step's proposed tokens (kvpage.spec_decode): computed as extra query tokens in
+    # lookahead slots, never part of token_ids nor of any block hash; cleared once the step is verified.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, list):

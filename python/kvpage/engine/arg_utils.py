@@ -10,6 +10,8 @@ import argparse
 import inspect
 from dataclasses import dataclass, field, make_dataclass
 
+from kvpage.spec_decode.config import speculative_config_arg  # [spec decode] pure Python
+
 # The scheduler's budgets where LLM(...) is given None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
@@ -97,6 +99,10 @@ ENGINE_OPTIONS = (
                  " 4 with a directory, else no tier)"),
     EngineOption("kv_offloading_dir", str, None, "a directory for the KV tier's block files, kept across restarts"
                  " (a new server with the same model starts warm; default: no disk tier)"),
+    # [spec decode] (kvpage.spec_decode)
+    EngineOption("speculative_config", speculative_config_arg, None, "speculative decoding, vLLM's JSON:"
+                 ' {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B}'
+                 ' or {"method": "draft_model", "model": DIR, "num_speculative_tokens": K} (default: none)'),
 )
 OPTIONS = {option.name: option for option in ENGINE_OPTIONS}
 # What LLM(...) takes when a keyword is left out (tests/cli/test_engine_args.py holds LLM's signature to it).

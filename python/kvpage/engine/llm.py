@@ -13,6 +13,7 @@ from kvpage.core.context_parallel import check_context_parallel, check_dcp_atten
 from kvpage.core.interrupts import call_locked, deferred_interrupts
 from kvpage.core.policies import check_preemption_mode
 from kvpage.kv_offload import check_offloading_options
+from kvpage.spec_decode import parse_speculative_config
 
 from .arg_utils import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, EngineOptions,
                         engine_options, engine_signature)
@@ -84,6 +85,7 @@ class LLM:
             max_logprobs=o.max_logprobs, kv_cache_layout=self.kv_cache_layout,
             kv_offloading_size=o.kv_offloading_size, kv_offloading_dir=o.kv_offloading_dir))
         self._log_kv_cache(o.block_size * o.decode_context_parallel_size)
+        self.llm_engine.attach_spec_decode(o.speculative_config)  # [spec decode] None: no speculation
         self._counter = itertools.count()
         # One call at a time owns the engine: a second thread waits rather than stepping into its state.
         self._lock = threading.RLock()
@@ -358,6 +360,7 @@ def _check_options(o: EngineOptions) -> tuple:
     check_dcp_sizes(o.decode_context_parallel_size, o.dcp_kv_cache_interleave_size, o.block_size)
     check_offloading_options(o.kv_offloading_size, o.kv_offloading_dir, o.tensor_parallel_size)  # [kv tier]
     check_preemption_mode(o.preemption_mode)
+    parse_speculative_config(o.speculative_config)  # [spec decode] a bad config's key named before the model loads
     from kvpage.model import kv_cache_dtype_from_name, weight_dtype_from_name  # torch: when an LLM is built
     from kvpage.model.runner import MATMUL_PRECISIONS
 

@@ -104,6 +104,7 @@ class LLMEngine:
             self.runner, self.kv_connector = attach_offloading(runner, tokenizer, self.block_manager, self.scheduler,
                                                                config.kv_offloading_size, config.kv_offloading_dir)
         self._states: dict[str, _RequestState] = {}
+        self.spec_decode = None  # [spec decode] kvpage.spec_decode.SpecDecode: see attach_spec_decode
         self._token_text: dict[int, str] = {}  # decoded_token of logprobs, one tokenizer call per id
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -267,23 +268,28 @@ class LLMEngine:
             rows = [s for s in out.scheduled if s.do_sample]
             keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]  # not beam search
             plain = [rows[i] for i in keep]
-            sample_rows, result, prompt_logprobs, beams = [], None, [], {}
+            sample_rows, result, prompt_logprobs, beams, spec = [], None, [], {}, {}
             self._check_progress(out)
             if not out.is_empty:
                 started = time.perf_counter()
                 logits = self.runner.execute(out)  # the sampled rows, then any prompt_logprobs rows
+                if self.spec_decode is not None:  # [spec decode] verified here, sampled no further
+                    logits, spec = self._verify_spec(rows, logits)
+                    keep = [i for i in keep if rows[i].seq_id not in spec]
+                    plain = [rows[i] for i in keep]
                 sample_rows = [self._sample_row(self._states[s.request_id], s) for s in plain]
                 result = self.sampler(_rows_of(logits, keep), sample_rows) if plain else None
                 beams = self._select_beams(rows, logits)
                 # Sampling read tokens back, so the device has finished the step (a CPU's always has).
                 record_step_time(self.cost_model, out, started, finished=bool(rows) or logits.device.type == "cpu")
                 prompt_logprobs = self._prompt_logprobs(out.scheduled, logits[len(rows):])
-            sampled = self._sampled(plain, result)
+            sampled = self._sampled(plain, result) | {seq_id: v.tokens for seq_id, v in spec.items()}
             # The commit: the scheduler's and the engine's records of the step land together.
             with deferred_interrupts():
                 self.scheduler.update_from_output(out, sampled, {rid: step for rid, (_, step) in beams.items()})
                 self._record_samples(plain, sample_rows, result)
                 self._record_beams(beams)
+                self._record_spec(rows, spec)
                 for state, position, entries in prompt_logprobs:  # in order: no position comes twice
                     state.prompt_logprobs[position + 1:] = entries
                 outputs = self._process(rows)
@@ -316,6 +322,48 @@ class LLMEngine:
             for rid in [rid for rid in known if rid not in self._states]:
                 self.scheduler.abort_request(rid)
             self._consistent = True
+
+    # -- [spec decode] (kvpage.spec_decode) ---------------------------------------------------------
+
+    def attach_spec_decode(self, speculative_config) -> None:
+        """Speculative decoding per speculative_config (vLLM's; None: none): the scheduler asks it for each
+        decode's proposed tokens, and step() verifies them against the target's logits."""
+        from kvpage.spec_decode import build_spec_decode
+        self.spec_decode = build_spec_decode(speculative_config, self._spec_params, self.runner.vocab_size,
+                                             self.config.max_model_len, self.config.seed)
+        self.scheduler.spec_proposer = None if self.spec_decode is None else self.spec_decode.propose
+
+    def _spec_params(self, request_id: str) -> SamplingParams | None:
+        state = self._states.get(request_id)
+        return None if state is None else state.params
+
+    def _verify_spec(self, rows, logits: torch.Tensor):
+        """One logits row per sampling sequence (a speculating one's k + 1 collapsed to its last), and each
+        speculating sequence's verified tokens by seq_id."""
+        from kvpage.spec_decode.verify import SpecRow
+
+        def spec_row(s) -> SpecRow:
+            state = self._states[s.request_id]
+            return SpecRow(s.spec_token_ids, state.params, state.index_of.get(s.seq_id, 0),
+                           s.start + 1 - state.request.num_prompt_tokens)
+        return self.spec_decode.verify(rows, logits, spec_row)
+
+    def _record_spec(self, rows, spec: dict) -> None:
+        """What _record_samples does for plain rows, for the speculating ones (their logprobs, counters)."""
+        if not spec:
+            return
+        now = time.perf_counter()
+        for s in rows:
+            verified = spec.get(s.seq_id)
+            state = self._states.get(s.request_id)
+            if verified is None or state is None:
+                continue
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.samples[state.index_of.get(s.seq_id, 0)].cumulative_logprob += sum(verified.logprobs)
+            self.num_generation_tokens += len(verified.tokens)
+        if self.num_steps % 256 == 0:
+            self.spec_decode.forget(seq.seq_id for seq in self.scheduler.sequences())
 
     def _check_progress(self, out: SchedulerOutput) -> None:
         self._idle_steps = 0 if not out.is_empty else self._idle_steps + 1
@@ -453,15 +501,25 @@ class LLMEngine:
     def _detokenize(self, state: _RequestState) -> None:
         params = state.params
         for seq, sample in zip(state.request.seqs, state.samples):
-            new = sample.detok.update(self.tokenizer, seq.token_ids)
-            # Before min_tokens output tokens exist a stop string ends nothing (vLLM's StopChecker).
-            if not (new and params.stop) or len(seq.output_token_ids) < params.min_tokens:
-                continue
-            span = find_stop(sample.detok.text, len(new), params.stop)
-            if span is not None:
-                sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
-                sample.detok.stopped = True
-                self._finish_sequence(state.request, seq)
+            for end in self._detok_ends(seq, sample):
+                new = sample.detok.update(self.tokenizer, seq.token_ids[:end] if end < seq.num_tokens else seq.token_ids)
+                # Before min_tokens output tokens exist a stop string ends nothing (vLLM's StopChecker).
+                if not (new and params.stop) or end - seq.num_prompt_tokens < params.min_tokens:
+                    continue
+                span = find_stop(sample.detok.text, len(new), params.stop)
+                if span is not None:
+                    sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
+                    sample.detok.stopped = True
+                    self._finish_sequence(state.request, seq)
+                    del seq.token_ids[end:]  # [spec decode] tokens a step accepted past the stop string
+                    break
+
+    def _detok_ends(self, seq, sample: _Sample):
+        """The token counts to detokenize at: the sequence's own, or [spec decode] each one a step that
+        appended several went through, so that a stop string ends the output where it would without."""
+        if self.spec_decode is None or sample.detok.stopped:
+            return (seq.num_tokens,)
+        return range(min(seq.num_prompt_tokens + sample.detok.read_offset + 1, seq.num_tokens), seq.num_tokens + 1)
 
     def _finish_sequence(self, request: Request, seq) -> None:
         """Stop one sequence on a stop string: the scheduler only knows token-id stops.
@@ -524,7 +582,8 @@ class LLMEngine:
             "num_swapped": s.num_swapped, "num_finished": s.num_finished, "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
         } | cost_model_stats(self.cost_model, self.config.block_size, self.scheduler.preemption_mode,
-                             b.num_host_blocks, self._mean_request_tokens(s.num_finished)) | self._kv_tier_stats()
+                             b.num_host_blocks, self._mean_request_tokens(s.num_finished)) | self._kv_tier_stats() \
+            | (self.spec_decode.stats.as_dict() if self.spec_decode is not None else {})  # [spec decode]
 
     def close_kv_tier(self) -> None:
         """[kv tier] Persist the pool's cached blocks to a disk tier and stop its writer (idempotent; no tier: nothing)."""
