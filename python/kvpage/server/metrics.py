@@ -34,6 +34,13 @@ _TIER_COUNTERS = (
     ("kvpage:kv_offload_stores", "kv_offload_stored_blocks", "KV blocks written to the offload tier."),
 )
 
+# [spec decode] (issue 51) speculative decoding's counters (vLLM's vllm:spec_decode_*), where it is configured.
+_SPEC_COUNTERS = (
+    ("kvpage:spec_decode_num_drafts", "spec_decode_num_drafts", "Decode steps of a sequence that verified proposed tokens."),
+    ("kvpage:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Proposed (draft) tokens verified."),
+    ("kvpage:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+)
+
 
 class _EngineCollector:
     """Gauges and counters of the engine, from the loop's latest stats snapshot."""
@@ -58,7 +65,7 @@ class _EngineCollector:
                            s["kv_blocks_used"] / s["num_kv_blocks"] if s["num_kv_blocks"] else 0.0)
         for name, key, help_ in _COUNTERS:
             yield self._family(CounterMetricFamily, name, help_, s[key])
-        for name, key, help_ in _TIER_COUNTERS:  # [kv tier]
+        for name, key, help_ in _TIER_COUNTERS + _SPEC_COUNTERS:  # [kv tier], [spec decode]: where configured
             if key in s:
                 yield self._family(CounterMetricFamily, name, help_, s[key])
 
