@@ -3,6 +3,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <algorithm>
+#include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <unordered_set>
@@ -47,6 +49,10 @@ bool matches_cache(at::ScalarType t, at::ScalarType cache_dtype, bool float32_ov
                         (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16);
   return is_supported_float(t) && (t == cache_dtype || is_fp8_cache(cache_dtype) || narrowed);
 }
+
+std::atomic<int64_t> range_check_runs{0};
+
+void count_range_check() { range_check_runs.fetch_add(1, std::memory_order_relaxed); }
 
 constexpr const char* kCacheDtypeRule =
     " (it must be the same, float32/float16/bfloat16 with an fp8 cache, or float32 with a float16/bfloat16"
@@ -135,8 +141,10 @@ void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dt
 
 void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache) {
   for (const auto& [value, name] : {std::pair<double, const char*>{k_scale, "k_scale"}, {v_scale, "v_scale"}}) {
-    TORCH_CHECK_VALUE(std::isfinite(value) && value > 0.0 && std::isfinite(1.0 / value), name,
-                      " must be a finite positive number, got ", value);
+    // The kernels hold the scale and its reciprocal in float32: both must stay finite and nonzero.
+    TORCH_CHECK_VALUE(value >= FLT_MIN && value <= FLT_MAX, name,
+                      " must be a positive number in float32's normal range [", FLT_MIN, ", ", FLT_MAX,
+                      "], got ", value);
     TORCH_CHECK_VALUE(value == 1.0 || is_fp8_cache(key_cache.scalar_type()), name, " = ", value,
                       " applies to fp8 caches only; a ", key_cache.scalar_type(), " cache takes 1.0");
   }
@@ -304,26 +312,49 @@ std::pair<int64_t, int64_t> check_swap_pairs(at::TensorList src, at::TensorList 
   return {src_blocks, dst_blocks};
 }
 
-void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                    const CacheShape& cache, int64_t min_len) {
-  const auto lens = seq_lens.cpu();
-  const int32_t* l = lens.data_ptr<int32_t>();
+int64_t range_checks_run() { return range_check_runs.load(std::memory_order_relaxed); }
+
+namespace {
+
+// seq_lens in [min_len, what one block_tables row can hold] (the kernels read that much of a row).
+void check_seq_lens(const int32_t* lens, int64_t num_seqs, const at::Tensor& block_tables, const CacheShape& cache,
+                    int64_t min_len) {
   const int64_t capacity = block_tables.size(1) * cache.block_size;
-  for (int64_t s = 0; s < lens.numel(); ++s) {
-    TORCH_CHECK_VALUE(l[s] >= min_len && l[s] <= capacity, "seq_lens[", s, "] = ", l[s],
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK_VALUE(lens[s] >= min_len && lens[s] <= capacity, "seq_lens[", s, "] = ", lens[s],
                       " must be in [", min_len, ", ", capacity,
                       "] (a block_tables row holds block_tables.size(1) * block_size tokens)");
   }
 }
 
-void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const CacheShape& cache, int64_t window, const at::Tensor* query_start_loc) {
-  const auto tables = block_tables.cpu();
+// query_start_loc non-decreasing from 0 to num_tokens, each q_len <= seq_len.
+void check_query_start_loc(const int32_t* q, const int32_t* lens, int64_t num_seqs, int64_t num_tokens) {
+  TORCH_CHECK_VALUE(q[0] == 0, "query_start_loc[0] must be 0, got ", q[0]);
+  TORCH_CHECK_VALUE(q[num_seqs] == num_tokens, "query_start_loc[-1] = ", q[num_seqs],
+                    " must equal the number of query tokens ", num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = int64_t(q[s + 1]) - q[s];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing (at ", s, ")");
+    TORCH_CHECK_VALUE(q_len <= lens[s], "seq_lens[", s, "] = ", lens[s], " is shorter than its query length ",
+                      q_len);
+  }
+}
+
+}  // namespace
+
+void check_attention_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens, const CacheShape& cache,
+                            int64_t min_len, int64_t window, const at::Tensor* query_start_loc,
+                            int64_t num_tokens) {
+  count_range_check();
+  const auto tables = block_tables.cpu();  // on a GPU: the host copies (syncs) the switch exists for
   const auto lens = seq_lens.cpu();
   const auto loc = query_start_loc != nullptr ? query_start_loc->cpu() : at::Tensor();
   const int32_t* t = tables.data_ptr<int32_t>();
   const int32_t* l = lens.data_ptr<int32_t>();
   const int32_t* q = loc.defined() ? loc.data_ptr<int32_t>() : nullptr;
+  const int64_t num_seqs = lens.numel();
+  if (q != nullptr) check_query_start_loc(q, l, num_seqs, num_tokens);
+  check_seq_lens(l, num_seqs, block_tables, cache, min_len);
   const int64_t max_blocks = tables.size(1);
   for (int64_t s = 0; s < tables.size(0); ++s) {
     const int64_t used = (int64_t(l[s]) + cache.block_size - 1) / cache.block_size;
@@ -337,6 +368,7 @@ void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& 
 }
 
 void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache) {
+  count_range_check();
   const auto slots = slot_mapping.cpu();
   const int64_t* p = slots.data_ptr<int64_t>();
   const int64_t num_slots = cache.num_blocks * cache.block_size;
@@ -364,6 +396,7 @@ void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks
                     "block_mapping must be [n, 2] of (src, dst), got shape ", block_mapping.sizes());
   TORCH_CHECK_VALUE(block_mapping.device().is_cpu(), "block_mapping must be a CPU tensor");
   if (!check_ranges) return;
+  count_range_check();
   const auto m = block_mapping.contiguous();
   const int64_t* p = m.data_ptr<int64_t>();
   std::unordered_set<int64_t> dsts;
@@ -390,30 +423,12 @@ void check_mapping_not_written(const at::Tensor& block_mapping, at::TensorList w
                       "] share memory; the mapping must not lie in a tensor it writes");
 }
 
-void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& out,
-                                  const at::Tensor& key_cache) {
+void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                  const at::Tensor& out, const at::Tensor& key_cache) {
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1, key_cache);
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must have num_seqs + 1 = ",
+                    seq_lens.size(0) + 1, " entries, got ", query_start_loc.size(0));
   check_disjoint(out, "out", query_start_loc, "query_start_loc");
-}
-
-void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           int64_t num_tokens) {
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ",
-                    num_seqs + 1, " entries, got ", query_start_loc.size(0));
-  const auto loc = query_start_loc.cpu();
-  const auto lens = seq_lens.cpu();
-  const int32_t* q = loc.data_ptr<int32_t>();
-  const int32_t* l = lens.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(q[0] == 0, "query_start_loc[0] must be 0, got ", q[0]);
-  TORCH_CHECK_VALUE(q[num_seqs] == num_tokens, "query_start_loc[-1] = ", q[num_seqs],
-                    " must equal the number of query tokens ", num_tokens);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = int64_t(q[s + 1]) - q[s];
-    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing (at ", s, ")");
-    TORCH_CHECK_VALUE(q_len <= l[s], "seq_lens[", s, "] = ", l[s],
-                      " is shorter than its query length ", q_len);
-  }
 }
 
 }  // namespace kvpage

@@ -14,7 +14,8 @@ namespace kvpage {
 // float8_e4m3fn caches store K/V quantised with per-tensor scales (ops.h).
 inline bool is_fp8_cache(at::ScalarType t) { return t == at::kFloat8_e4m3fn; }
 
-// k_scale / v_scale: finite and positive; anything but 1.0 only for an fp8 cache.
+// k_scale / v_scale: positive in float32's normal range (the kernels hold them and their reciprocals
+// in float32); anything but 1.0 only for an fp8 cache.
 void check_kv_scales(double k_scale, double v_scale, const at::Tensor& key_cache);
 
 // Whether two tensors' element byte ranges intersect (same device); out must not partly overlap its
@@ -71,7 +72,7 @@ void check_decode(const at::Tensor& query, const at::Tensor& seq_lens, int64_t p
                   const CacheShape& cache);
 
 // reshape_and_cache's arguments; when check_ranges, the slot range check and that no slot is written
-// twice (both read slot_mapping).
+// twice (both read slot_mapping: a range check).
 CacheShape check_cache_write(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                              bool check_ranges, double k_scale, double v_scale, bool float32_over_16bit = false);
@@ -88,28 +89,29 @@ inline int64_t block_bytes(const at::Tensor& t) {
   return t.size(0) == 0 ? 0 : t.numel() / t.size(0) * t.element_size();
 }
 
-// seq_lens in [min_len, what one block_tables row can hold]; always on (it guards the table read).
-void check_seq_lens(const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                    const CacheShape& cache, int64_t min_len);
+// Range checks: the checks that read index data (block ids, slot mapping, seq_lens, query_start_loc).
+// On a GPU each copies tensors to the host, a device sync, so the ops run them only when asked
+// (check_ranges: Python's debug switch, KVPAGE_RANGE_CHECKS=1; the engine's own indices are trusted).
+// Everything else checked here reads metadata only (shape, dtype, device, strides): always on.
+// Each run of one counts in range_checks_run(), so tests can see that a switched-off op ran none.
+int64_t range_checks_run();
 
-// Range checks need the index data on the host. They check the entries the kernels read: a
-// sequence's blocks from the first its earliest query's window reaches (query_start_loc: prefill's
-// query lengths, null for decode's one query per sequence) up to seq_len.
-void check_block_tables_range(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const CacheShape& cache, int64_t window = 0,
-                              const at::Tensor* query_start_loc = nullptr);
+// An attention op's range checks: query_start_loc (prefill's, null for decode's one query per
+// sequence) non-decreasing from 0 to num_tokens with each q_len <= seq_len, seq_lens in [min_len,
+// what one block_tables row holds], and the block ids the kernels read in [0, num_blocks): a
+// sequence's blocks from the first its earliest query's window reaches up to seq_len.
+void check_attention_ranges(const at::Tensor& block_tables, const at::Tensor& seq_lens, const CacheShape& cache,
+                            int64_t min_len, int64_t window, const at::Tensor* query_start_loc,
+                            int64_t num_tokens);
 void check_slot_mapping_range(const at::Tensor& slot_mapping, const CacheShape& cache);
 void check_block_mapping(const at::Tensor& block_mapping, int64_t num_src_blocks,
                          int64_t num_dst_blocks, bool check_ranges, bool forbid_src_dst_overlap);
 // block_mapping is read while the copies write `written` (named `name`[i]): it must not lie in them.
 void check_mapping_not_written(const at::Tensor& block_mapping, at::TensorList written, const char* name);
 
-// query_start_loc's dtype, rank and device, and that out (written while it is read) does not hold it.
-void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& out,
-                                  const at::Tensor& key_cache);
-
-// query_start_loc must be non-decreasing from 0 to num_tokens, each q_len <= seq_len.
-void check_query_start_loc(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           int64_t num_tokens);
+// query_start_loc's dtype, rank, device and length (num_seqs + 1), and that out (written while it is
+// read) does not hold it.
+void check_query_start_loc_tensor(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                  const at::Tensor& out, const at::Tensor& key_cache);
 
 }  // namespace kvpage

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "cpu/dispatch.h"
 #include "ops.h"
 
@@ -69,6 +70,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_dot_available", &kvpage::cpu::bf16_dot_available,
         "Whether packed_linear takes pair-interleaved bf16 slabs (AVX512-BF16 dot products) here");
   m.attr("linear_slab_columns") = kvpage::cpu::kSlabColumns;
+  m.def("range_checks_run", &kvpage::range_checks_run,
+        "How many range checks (the checks that read index data) the ops have run in this process");
 #ifdef KVPAGE_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

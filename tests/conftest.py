@@ -1,11 +1,16 @@
-"""Shared test settings: the hypothesis profiles.
+"""Shared test settings: the hypothesis profiles, and the ops' range checks on.
 
 Profiles: "ci" (the default) is small and derandomized so a run is fast and repeatable; "deep"
 explores far more examples. Pick "deep" with `--hypothesis-deep` or KVPAGE_HYPOTHESIS_PROFILE=deep.
 """
 import os
 
-from hypothesis import HealthCheck, settings
+# The suite runs with the ops' range-check debug switch on (kvpage.ops.config; off by default), so a
+# bad index anywhere fails loudly. Set before kvpage is imported, and inherited by the worker processes
+# tests start (tensor parallelism, the server); a test of the switch itself turns it off locally.
+os.environ["KVPAGE_RANGE_CHECKS"] = "1"
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Examples build real tensors and run the plain-torch reference, so one can take a while on a
 # loaded 2-core machine: no deadline, and no health check failing a run for being slow.
@@ -26,4 +31,13 @@ def pytest_configure(config):
         # Modules that size their own runs (tests/core) read the variable at import, after this.
         os.environ["KVPAGE_HYPOTHESIS_PROFILE"] = profile
     settings.load_profile(profile)
+    _range_checks_on()
+
+
+def _range_checks_on():
+    """In case a plugin imported kvpage before the variable above was set."""
+    import sys
+
+    if "kvpage.ops.config" in sys.modules:
+        sys.modules["kvpage.ops.config"].set_range_checks(True)
 

@@ -42,17 +42,6 @@ AttentionArgs make_args(at::Tensor& out, const at::Tensor& query, const at::Tens
   return a;
 }
 
-// Validation shared by decode and prefill (but the table's range check, which needs the options'
-// window and prefill's query lengths); returns the cache shape.
-CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, int64_t min_seq_len, double k_scale, double v_scale) {
-  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                  k_scale, v_scale, /*float32_over_16bit=*/true);
-  check_seq_lens(seq_lens, block_tables, cache, min_seq_len);
-  return cache;
-}
-
 void set_options(AttentionArgs& a, const AttentionOptions& o) {
   a.window = o.window, a.softcap = o.softcap, a.sinks = o.sinks;
 }
@@ -102,11 +91,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse,
                      std::optional<int64_t> sliding_window, std::optional<double> softcap,
                      const std::optional<at::Tensor>& sinks) {
-  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           1, k_scale, v_scale);
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                  k_scale, v_scale, /*float32_over_16bit=*/true);
   check_decode(query, seq_lens, partition_size, cache);
   const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
-  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window);
+  if (check_ranges) check_attention_ranges(block_tables, seq_lens, cache, 1, options.window, nullptr, query.size(0));
   float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   AttentionArgs a = make_args(out, query, key_cache, value_cache, block_tables, seq_lens, cache, scale,
@@ -148,12 +137,13 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                              double scale, bool check_ranges, double k_scale, double v_scale,
                              const std::optional<at::Tensor>& lse, std::optional<int64_t> sliding_window,
                              std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
-  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           0, k_scale, v_scale);
-  check_query_start_loc_tensor(query_start_loc, out, key_cache);
-  check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                  k_scale, v_scale, /*float32_over_16bit=*/true);
+  check_query_start_loc_tensor(query_start_loc, seq_lens, out, key_cache);
   const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
-  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window, &query_start_loc);
+  if (check_ranges) {
+    check_attention_ranges(block_tables, seq_lens, cache, 0, options.window, &query_start_loc, query.size(0));
+  }
   float* lse_data =
       check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;

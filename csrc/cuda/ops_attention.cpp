@@ -3,10 +3,10 @@
 //
 // Synchronisation policy: the kernels never trust index data (see kernel_params.h), so the only
 // checks that must read index tensors are the optional range checks. With check_ranges=True
-// (the default) they run exactly as on the CPU (seq_lens bounds, block ids, query_start_loc),
-// which copies those tensors to the host: one device sync per call. With check_ranges=False
-// (kvpage.ops.set_range_checks(False), for benchmarks and a trusted engine) nothing syncs:
-// planning uses shapes only and bad indices are masked inside the kernels.
+// (the debug switch, KVPAGE_RANGE_CHECKS=1) they run exactly as on the CPU (seq_lens bounds, block
+// ids, query_start_loc), which copies those tensors to the host: one device sync per call. With
+// check_ranges=False (the default) nothing syncs: planning uses shapes only and bad indices are
+// masked inside the kernels.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -68,12 +68,11 @@ DecodeSplit plan_decode_split(int64_t ctas_per_partition, int64_t capacity, int6
   return split;
 }
 
-// The shared checks but the table's range check, which needs the options' window (and prefill's
-// query lengths, checked first): the ops run it after.
+// The shared metadata checks and the CUDA kernels' own limits (alignment, int32 sizes); no index data
+// read (the range checks run after the options', whose window they need).
 CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, int64_t min_seq_len, bool check_ranges,
-                           double k_scale, double v_scale) {
+                           const at::Tensor& seq_lens, double k_scale, double v_scale) {
   const CacheShape cache = check_attention_inputs(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                   k_scale, v_scale);
   TORCH_CHECK_VALUE(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()),
@@ -81,7 +80,6 @@ CacheShape check_attention(const at::Tensor& out, const at::Tensor& query, const
   as_int(cache.num_blocks, "key_cache.size(0)");
   as_int(block_tables.size(1) * cache.block_size, "block_tables.size(1) * block_size");
   as_int(query.size(0), "query.size(0)");
-  if (check_ranges) check_seq_lens(seq_lens, block_tables, cache, min_seq_len);  // host copies: documented sync
   return cache;
 }
 
@@ -126,11 +124,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      bool check_ranges, double k_scale, double v_scale, const std::optional<at::Tensor>& lse,
                      std::optional<int64_t> sliding_window, std::optional<double> softcap,
                      const std::optional<at::Tensor>& sinks) {
-  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           1, check_ranges, k_scale, v_scale);
+  const CacheShape cache =
+      check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
   check_decode(query, seq_lens, partition_size, cache);
   const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
-  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window);
+  // Host copies of the index tensors: the documented sync.
+  if (check_ranges) check_attention_ranges(block_tables, seq_lens, cache, 1, options.window, nullptr, query.size(0));
   float* lse_data = check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens);
   if (query.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
@@ -167,15 +166,13 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                              double scale, bool check_ranges, double k_scale, double v_scale,
                              const std::optional<at::Tensor>& lse, std::optional<int64_t> sliding_window,
                              std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
-  const CacheShape cache = check_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                           0, check_ranges, k_scale, v_scale);
-  check_query_start_loc_tensor(query_start_loc, out, key_cache);
-  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1,
-                    "query_start_loc must have num_seqs + 1 = ", seq_lens.size(0) + 1,
-                    " entries, got ", query_start_loc.size(0));
-  if (check_ranges) check_query_start_loc(query_start_loc, seq_lens, query.size(0));
+  const CacheShape cache =
+      check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
+  check_query_start_loc_tensor(query_start_loc, seq_lens, out, key_cache);
   const AttentionOptions options = check_attention_options(sliding_window, softcap, sinks, query, out);
-  if (check_ranges) check_block_tables_range(block_tables, seq_lens, cache, options.window, &query_start_loc);
+  if (check_ranges) {  // host copies: the documented sync
+    check_attention_ranges(block_tables, seq_lens, cache, 0, options.window, &query_start_loc, query.size(0));
+  }
   float* lse_data =
       check_lse(lse, out, query, key_cache, value_cache, block_tables, seq_lens, &query_start_loc);
   if (query.size(0) == 0) return;

@@ -18,7 +18,8 @@ def cpu_isa(request):
 
 @pytest.fixture(autouse=True)
 def _range_checks_on():
-    """Every op test starts with range checks on (the default); none may leak them off."""
+    """Every op test starts with range checks on (as the suite runs: tests/conftest.py); none may leak
+    them off."""
     previous = ops.set_range_checks(True)
     yield
     ops.set_range_checks(previous)

@@ -501,33 +501,6 @@ def test_allocate_kv_cache_checks_what_is_free_now(monkeypatch):
     assert ops.allocate_kv_cache(64, 16, 2, 64)[0].shape == (64, 2, 16, 64)
 
 
-# -- range checks ------------------------------------------------------------------------------------
-
-
-def test_range_checks_toggle_and_restore():
-    assert ops.range_checks_enabled()  # on by default
-    assert ops.set_range_checks(False) is True
-    assert not ops.range_checks_enabled()
-    assert ops.set_range_checks(True) is False
-    with ops.range_checks(False):
-        assert not ops.range_checks_enabled()
-        with ops.range_checks(True):
-            assert ops.range_checks_enabled()
-        assert not ops.range_checks_enabled()
-    assert ops.range_checks_enabled()
-    with pytest.raises(RuntimeError, match="inside"):
-        with ops.range_checks(False):
-            raise RuntimeError("inside")
-    assert ops.range_checks_enabled()
-
-
-def test_seq_lens_guard_stays_on_without_range_checks():
-    """The table-capacity check guards the table read itself, so it is not optional."""
-    args = with_changes(decode_args(), {"seq_lens": int32([40, 49])})
-    with ops.range_checks(False):
-        assert_rejected(ops.paged_attention, args, ValueError, r"seq_lens\[1\]", [args["key_cache"]])
-
-
 def test_cpu_isa_switch_rejects_unknown_isa():
     previous = ops.cpu_isa()
     with pytest.raises(ValueError, match="isa 'sse9' is not available"):

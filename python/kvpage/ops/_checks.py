@@ -62,8 +62,8 @@ def _block_id(v, name):
         raise TypeError(f"{name} holds {type(v).__name__} {v!r}: block ids must be ints") from None
 
 
-# Scales the kernels hold in float32, with their reciprocals: both must stay finite and nonzero.
-_FLOAT32_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+# The largest float32: a softmax scale beyond it would overflow in the kernels.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _as_float(value, name):
@@ -76,13 +76,9 @@ def _as_float(value, name):
 
 
 def kv_scale(value, name):
-    """k_scale / v_scale: a positive number whose float32 value and reciprocal are finite and nonzero
-    (the C++ checks add: 1.0 unless the cache is fp8)."""
-    value = _as_float(value, name)
-    if not _FLOAT32_RANGE[0] <= value <= _FLOAT32_RANGE[1]:
-        raise ValueError(f"{name} must be a positive number in float32's normal range"
-                         f" [{_FLOAT32_RANGE[0]:.3g}, {_FLOAT32_RANGE[1]:.3g}], got {value}")
-    return value
+    """k_scale / v_scale as a float; the op checks its value (float32's normal range, and 1.0 unless the
+    cache is fp8)."""
+    return _as_float(value, name)
 
 
 def default_scale(scale, head_size):
@@ -90,41 +86,29 @@ def default_scale(scale, head_size):
     if scale is None:
         return head_size ** -0.5
     scale = _as_float(scale, "scale")
-    if not (math.isfinite(scale) and abs(scale) <= _FLOAT32_RANGE[1]):
+    if not (math.isfinite(scale) and abs(scale) <= _FLOAT32_MAX):
         raise ValueError(f"scale must be finite in float32, got {scale}")
     return scale
 
 
+# The attention options: Python types here, values in the op (the C++ checks, which
+# torch.ops.kvpage.* called directly runs too).
+
+
 def sliding_window(value):
-    """A sliding window: None, or a positive int (a query at position p sees keys in (p - W, p])."""
-    if value is None:
-        return None
-    require_positive_int(value, "sliding_window")
-    if value > torch.iinfo(torch.int32).max:
-        raise ValueError(f"sliding_window must fit in int32, got {value}")
+    """A sliding window: None or an int (not bool); the op checks it is a positive int32."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"sliding_window must be an int, got {type(value).__name__}")
+    if value is not None and not -(1 << 63) <= value < (1 << 63):  # the op's schema takes int64
+        raise ValueError(f"sliding_window must be a positive int32, got {value}")
     return value
 
 
 def softcap(value):
-    """A logit softcap: None, or a positive number finite in float32."""
-    if value is None:
-        return None
-    value = _as_float(value, "softcap")
-    if not (0.0 < value <= _FLOAT32_RANGE[1]):
-        raise ValueError(f"softcap must be a positive number finite in float32, got {value}")
-    return value
+    """A logit softcap: None or a number; the op checks it is positive and finite in float32."""
+    return None if value is None else _as_float(value, "softcap")
 
 
-def sinks(value, query):
-    """Attention sinks: None, or a float32 [num_heads] tensor on query's device."""
-    if value is None:
-        return None
-    require_tensor(value, "sinks")
-    if value.dtype != torch.float32:
-        raise TypeError(f"sinks must have dtype float32, got {value.dtype}")
-    num_heads = query.shape[1] if query.dim() == 3 else None
-    if value.dim() != 1 or (num_heads is not None and value.shape[0] != num_heads):
-        raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got shape {tuple(value.shape)}")
-    if value.device != query.device:
-        raise ValueError(f"sinks must be on query's device {query.device}, got {value.device}")
-    return value
+def sinks(value):
+    """Attention sinks: None or a tensor; the op checks float32 [num_heads] on query's device."""
+    return None if value is None else require_tensor(value, "sinks")

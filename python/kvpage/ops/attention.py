@@ -27,9 +27,9 @@ def _result(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _options(query, sliding_window, softcap, sinks):
-    """The attention options, checked, as the ops' trailing arguments."""
-    return (_checks.sliding_window(sliding_window), _checks.softcap(softcap), _checks.sinks(sinks, query))
+def _options(sliding_window, softcap, sinks):
+    """The attention options as the ops' trailing arguments (their types checked; the op checks values)."""
+    return (_checks.sliding_window(sliding_window), _checks.softcap(softcap), _checks.sinks(sinks))
 
 
 _OPTIONS_DOC = """sliding_window (a positive int W): a query at position p attends to keys in (p - W, p]; the
@@ -60,7 +60,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 
     {options}"""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
-    options = _options(query, sliding_window, softcap, sinks)
+    options = _options(sliding_window, softcap, sinks)
     lse = _lse_for(query, return_lse)
     _checks.require_tensor(block_tables, "block_tables")
     _checks.require_tensor(seq_lens, "seq_lens")
@@ -88,7 +88,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
 
     {options}"""
     out = _prepare(query, key_cache, value_cache, out, ("query", "key_cache", "value_cache"))
-    options = _options(query, sliding_window, softcap, sinks)
+    options = _options(sliding_window, softcap, sinks)
     lse = _lse_for(query, return_lse)
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
