@@ -199,7 +199,8 @@ def test_prefix_hit_is_the_longest_every_group_supplies(layout, block_size, num_
     bm.mark_computed(a, num_tokens)
     bm.free(a)
     holes = data.draw(st.sets(st.sampled_from(sorted(cached)), max_size=len(cached)) if cached else st.just(set()))
-    bm.forget_contents([cached[k] for k in holes])
+    for block_id in (cached[k] for k in holes):
+        bm.device.uncache(block_id)
     present = {k for k, b in cached.items() if k not in holes and bm.device.cache.contains_block(b)}
     h = expected_hit_blocks(present, layout, num_tokens, block_size)
     b = Sequence(1, list(tokens))

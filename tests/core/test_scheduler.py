@@ -243,15 +243,17 @@ def test_a_prompt_logits_request_reads_no_in_step_hit_but_its_blocks_serve_later
     assert [(x.request_id, x.start) for x in first.scheduled] == [("a", 0), ("b", 0), ("c", 12)]
 
 
-def test_a_failed_step_sends_its_in_step_readers_back_to_be_recomputed():
+def test_a_failed_step_sends_its_requests_back_to_be_recomputed():
     s = _scheduler(block_size=4)
     prompt = list(range(1, 13))
     s.add_request("a", prompt + [1], max_tokens=2)
     s.add_request("b", prompt + [2], max_tokens=2)
     out = s.schedule()
     assert s.bm.in_step_readers() == {out.scheduled[1].seq_id}
-    assert s.discard_step(out)  # a's blocks were never written: b must not keep them
-    assert [r.request_id for r in s.waiting] == ["b"] and s.requests["b"].seqs[0].block_table == []
+    assert s.discard_step(out)  # a's blocks were never written: b must not keep its hits on them
+    assert [r.request_id for r in s.waiting] == ["a", "b"]
+    assert all(r.seqs[0].block_table == [] and r.seqs[0].num_computed_tokens == 0 for r in s.waiting)
+    assert s.bm.stats().num_cached_blocks == 0 and s.bm.stats().num_used_blocks == 0
     again = s.schedule()
     assert [(x.request_id, x.start) for x in again.scheduled] == [("a", 0), ("b", 12)]
     assert s.bm.in_step_readers() == {again.scheduled[1].seq_id}

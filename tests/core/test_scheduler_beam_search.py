@@ -34,10 +34,12 @@ def expected_beams(prompt: list[int], k: int, max_tokens: int) -> list[list[int]
     return [b[len(prompt):] for b in beams]
 
 
-def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: Faults | None = None) -> tuple[dict, list]:
+def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: Faults | None = None,
+          where: str = "schedule") -> tuple[dict, list]:
     """Run (request_id, prompt, beam_width or 1) requests to the end; returns the outputs (beam
     requests: their last beams) and every step's SchedulerOutput. With `faults`, schedule() and
-    update_from_output() may raise inside the block manager; the step is then simply not taken."""
+    update_from_output() may raise inside the block manager: a failed schedule() requeues its requests, a
+    failed update_from_output() aborts the requests of its step (their output is then None)."""
     runner = FakeRunner(scheduler.bm.block_size, scheduler.bm.sliding_windows)
     beam_width = {}
     for rid, prompt, k in requests:
@@ -48,7 +50,7 @@ def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: 
     while scheduler.has_unfinished_requests():
         assert len(steps) < 1000, "the workload did not finish"
         try:
-            out = _armed(faults, scheduler.schedule)
+            out = _armed(faults if where == "schedule" else None, scheduler.schedule)
         except Injected:
             assert scheduler.pending is None
             continue
@@ -67,12 +69,15 @@ def drive(scheduler: Scheduler, requests: list[tuple], max_tokens: int, faults: 
             else:
                 beams[rid] = BeamStep(tuple(children))
         try:
-            _armed(faults, scheduler.update_from_output, out, sampled, beams)
+            _armed(faults if where != "schedule" else None, scheduler.update_from_output, out, sampled, beams)
         except Injected:
             assert scheduler.pending is None
+            for rid in {s.request_id for s in out.scheduled}:
+                assert rid not in scheduler.requests
+                outputs[rid] = None
         check_block_manager(scheduler.bm, [s for r in scheduler.requests.values() for s in r.live_seqs()])
     for rid, _, k in requests:
-        if k == 1:
+        if k == 1 and rid not in outputs:
             outputs[rid] = [seq.output_token_ids for seq in seqs_of[rid]]
     return outputs, steps
 
@@ -122,19 +127,25 @@ def test_beam_requests_share_steps_with_sampling_and_keep_their_beams(num_blocks
     assert_pool_whole(bm)
 
 
+@pytest.mark.parametrize("where", ["schedule", "update_from_output"])
 @pytest.mark.parametrize("seed", range(6))
-def test_faults_in_the_bookkeeping_never_change_a_beam(seed):
-    """Steps are transactions for beam requests too: forks, frees and the beams the selection drops."""
+def test_faults_in_the_bookkeeping_never_change_a_beam(seed, where):
+    """Failed steps are recovered for beam requests too: a failed schedule() requeues them (swapped ones
+    included) and they end as if undisturbed; a failure among the forks, frees and beam drops of
+    update_from_output() aborts them. Either way the pools stay whole."""
     mode = ("recompute", "swap")[seed % 2]
     bm = BlockManager(48, block_size=4, num_host_blocks=200 if mode == "swap" else 0, watermark=0.0)
     scheduler = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=16, preemption_mode=mode)
     requests = [("s0", PROMPTS[1], 1), ("beam2", PROMPTS[5], 2), ("beam1", SHARED + PROMPTS[2], 3),
                 ("beam0", SHARED + PROMPTS[0], 4)]
     faults = Faults(bm, random.Random(seed), 0.01)  # per call: a beam step makes dozens (a fork increfs each block)
-    outputs, _ = drive(scheduler, requests, 7, faults)
+    outputs, _ = drive(scheduler, requests, 7, faults, where)
     for rid, prompt, k in requests:
-        assert outputs[rid] == (expected_beams(prompt, k, 7) if k > 1 else expected_outputs(prompt, 7, eos=None)), rid
+        if outputs[rid] is not None:  # None: aborted by a failed update_from_output
+            assert outputs[rid] == (expected_beams(prompt, k, 7) if k > 1 else expected_outputs(prompt, 7, eos=None)), rid
     assert faults.fired > 0
+    if where == "schedule":
+        assert all(out is not None for out in outputs.values())
     assert_pool_whole(bm)
 
 

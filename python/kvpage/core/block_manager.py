@@ -16,6 +16,21 @@ from .sequence import Sequence, SequenceLike, as_seqs
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache a scheduler builds its block manager from (vLLM's CacheConfig)."""
+
+    num_blocks: int
+    block_size: int = 16
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    kv_cache_layout: KVCacheLayout | None = None  # None: one group of all layers
+
+    def build(self) -> "BlockManager":
+        return BlockManager(self.num_blocks, self.block_size, self.num_host_blocks, self.enable_prefix_caching,
+                            kv_cache_layout=self.kv_cache_layout)
+
+
+@dataclass(frozen=True)
 class BlockManagerStats:
     num_blocks: int
     num_used_blocks: int
@@ -30,6 +45,8 @@ class BlockManagerStats:
     num_swapped_in_blocks: int
     # Device blocks each KV-cache group's tables hold (layout order); sums to num_used_blocks.
     num_used_blocks_per_group: tuple[int, ...] = ()
+    max_num_used_blocks: int = 0  # the most device blocks in use at once so far
+    kv_cache_layout: KVCacheLayout = FULL_ATTENTION_LAYOUT
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -82,7 +99,7 @@ class BlockManager:
         self._computing: dict[bytes, tuple[int, BlockKey]] = {}
         self._computing_blocks: set[int] = set()
         self._in_step_readers: set[int] = set()
-        self._indexed_this_step: list[int] = []  # what undo_step_indexing takes back
+        self._indexed_this_step: list[int] = []  # what recover() un-indexes
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._num_cow = 0
@@ -104,8 +121,21 @@ class BlockManager:
         self._groups_by_window = tuple((w, tuple(gs)) for w, gs in by_window.items())
 
     @property
+    def num_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.device.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Device blocks admission may ever fill: all but the watermark."""
+        return self.device.num_blocks - self.watermark_blocks
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -126,12 +156,14 @@ class BlockManager:
         num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens)
         return num_new_blocks + num_revived <= self.device.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> int:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True,
+                 count_hits: bool = True) -> int:
         """Give a waiting sequence blocks for its cached prefix plus the next `num_new_tokens` tokens.
 
         `num_new_tokens` counts tokens past the cached prefix to compute this step (None: all the
         rest; 0, where there are hits: the cached prefix only). Only those get blocks now; later chunks and decode grow the table via append_slots.
         Sets and returns seq.num_computed_tokens, the number of prefix-cache hit tokens.
+        count_hits=False: leave the prefix-cache statistics alone (a re-admission after preemption).
         """
         if seq.block_table or seq.swapped:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; allocate is for waiting sequences")
@@ -153,7 +185,7 @@ class BlockManager:
             self._in_step_readers.add(seq.seq_id)
         num_cached = self._num_hit_tokens(seq, len(hits[0]))
         seq.num_computed_tokens = num_cached
-        if self.enable_prefix_caching and use_prefix_cache:
+        if self.enable_prefix_caching and use_prefix_cache and count_hits:  # [kv tier] count_hits
             self._queried_tokens += len(seq.token_ids)
             self._hit_tokens += num_cached
         return num_cached
@@ -419,37 +451,28 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.swapped = False
 
-    def counters(self) -> tuple[int, ...]:
-        """The statistics counters, for a step that may have to be taken back (restore_counters)."""
-        return self._queried_tokens, self._hit_tokens, self._num_cow, self._swapped_out, self._swapped_in
-
-    def restore_counters(self, counters: tuple[int, ...]) -> None:
-        self._queried_tokens, self._hit_tokens, self._num_cow, self._swapped_out, self._swapped_in = counters
-
     def blocks_indexed_this_step(self) -> list[int]:
         """[kv tier] Device blocks that became prefix-cache entries since begin_step(): once the step has run
         (update_from_output), each holds its entry's K/V, which a KV offload tier stores (write-through)."""
         return list(self._indexed_this_step)
 
-    def undo_step_indexing(self) -> None:
-        """Take back the prefix-cache entries made since begin_step(): a swap-in indexes its device
-        blocks before the step copies anything into them, so a step taken back leaves them empty."""
-        self.forget_contents(self._indexed_this_step)
-        self._indexed_this_step.clear()
-
-    def rebuild_accounting(self, seqs) -> None:
-        """Make both pools agree with the block tables of `seqs` (every sequence holding blocks): the
-        tables are the truth, ref counts and free lists are derived from them."""
+    def recover(self, seqs: Iterable[Sequence], dropped: Iterable[Sequence] = ()) -> None:
+        """After a step failed part way: `dropped` sequences hold nothing any more (as after free, but
+        without touching the pools, whose counts the failure may have torn), the blocks indexed during
+        the step stop being prefix hits (a swap-in or load indexes its blocks before the step fills
+        them), and both pools are rebuilt from the tables of `seqs`, every sequence still holding blocks."""
+        for seq in dropped:
+            seq.block_tables = [[] for _ in range(self.num_groups)]
+            seq.num_computed_tokens = 0
+            seq.swapped = False
+        for block_id in self._indexed_this_step:
+            self.device.uncache(block_id)
+        self.begin_step()
         seqs = list(seqs)
         on_device = [seq for seq in seqs if not seq.swapped]
         groups = {b: g for seq in on_device for g, table in enumerate(seq.block_tables) for b in table if b != NULL_BLOCK}
         self.device.rebuild(Counter(b for seq in on_device for b in live_blocks(seq)), groups)
         self.host.rebuild(Counter(b for seq in seqs if seq.swapped for b in live_blocks(seq)))
-
-    def forget_contents(self, block_ids) -> None:
-        """Device blocks a failed step was to fill by swap-in or copy may hold anything: never a prefix hit."""
-        for block_id in block_ids:
-            self.device.uncache(block_id)
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of `seq` (block_id * block_size + offset;
@@ -595,4 +618,6 @@ class BlockManager:
             num_swapped_out_blocks=self._swapped_out,
             num_swapped_in_blocks=self._swapped_in,
             num_used_blocks_per_group=device.num_used_per_tag,
+            max_num_used_blocks=device.max_num_used,
+            kv_cache_layout=self.kv_cache_layout,
         )

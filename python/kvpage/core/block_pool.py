@@ -40,6 +40,7 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.num_used = 0
+        self.max_num_used = 0  # the peak of num_used
         self.tags = [0] * num_blocks if num_tags > 1 else None
         self._used_per_tag = [0] * num_tags
 
@@ -67,6 +68,8 @@ class BlockPool:
             raise RuntimeError(f"out of KV blocks: all {self.num_blocks} are in use")
         self.ref_counts[block_id] = 1
         self.num_used += 1
+        if self.num_used > self.max_num_used:
+            self.max_num_used = self.num_used
         if self.tags is not None:
             self.tags[block_id] = tag
             self._used_per_tag[tag] += 1
@@ -79,6 +82,8 @@ class BlockPool:
             # (under its own tag: a cache entry names the tag its block was allocated with).
             self.cache.revive(block_id)
             self.num_used += 1
+            if self.num_used > self.max_num_used:
+                self.max_num_used = self.num_used
             if self.tags is not None:
                 self._used_per_tag[self.tags[block_id]] += 1
         refs[block_id] += 1

@@ -9,11 +9,8 @@ Each `schedule()` fills one step's token and sequence budgets in this order:
      in-step hits), so requests sharing a system prompt all start in the step that computes it.
 Steps 3 and 4 are skipped in a step that preempted (the memory that just ran out is not there to
 give), and 4 while anything is swapped (swapped requests would starve behind new ones).
-After the runner executes the step, `update_from_output` records what was computed and sampled; if
-executing it failed instead, `discard_step` forgets it, so the next schedule() can run.
-Every step is a transaction (transaction.py): an exception anywhere inside schedule() or
-update_from_output() puts the bookkeeping back as it was before schedule(), and the few assignments
-that commit a request or a step run with Ctrl-C deferred (interrupts.py).
+After the runner executes the step, `update_from_output` records what was computed and sampled.
+A step that fails (in schedule(), executing it, or recording it) is ended by `recover()`: see there.
 """
 from __future__ import annotations
 
@@ -21,16 +18,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from .block_manager import BlockManager
-from .block_moves import live_blocks, num_unique_blocks
+from .block_manager import BlockManager, CacheConfig
+from .block_moves import num_unique_blocks
 from .interrupts import deferred_interrupts
-from .kv_cache_groups import NULL_BLOCK, num_blocks_per_seq
+from .kv_cache_groups import num_blocks_per_seq
 from .policies import get_policy
 from .request import FinishReason, Request, RequestStatus
 from .scheduler_config import SchedulerConfig, SchedulerStats, check_max_model_len
 from .scheduler_output import BeamStep, ScheduledSequence, SchedulerOutput
 from .sequence import Sequence, SequenceGroup
-from .transaction import SchedulerSnapshot
+from .transaction import OpenStep
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "check_max_model_len"]
 
@@ -45,11 +42,14 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None, **kwargs) -> None:
+    """Owns the KV cache's block manager: `cache` is the CacheConfig it builds it from (or a BlockManager
+    already built, to inspect in tests). Nothing outside the scheduler changes its blocks."""
+
+    def __init__(self, cache: CacheConfig | BlockManager, config: SchedulerConfig | None = None, **kwargs) -> None:
         if config is not None and kwargs:
             raise TypeError("pass either a SchedulerConfig or keyword arguments, not both")
         self.config = config if config is not None else SchedulerConfig(**kwargs)
-        self.bm = block_manager
+        self.bm = cache if isinstance(cache, BlockManager) else cache.build()
         self.policy = get_policy(self.config.policy)
         # Precedence: an explicit preemption_mode, then the policy's own, then the cost model per victim.
         self.preemption_mode = self.config.preemption_mode or getattr(self.policy, "preemption_mode", None)
@@ -59,8 +59,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._finished_ids: list[str] = []
-        self._pending: SchedulerOutput | None = None
-        self._snapshot: SchedulerSnapshot | None = None  # the state before the pending step
+        self._open: OpenStep | None = None  # the step from schedule() until it is recorded or recovered
         self._scheduled: set[str] = set()  # request ids with tokens in the step being built
         self._scheduled_seqs: set[int] = set()
         self.step = 0
@@ -125,22 +124,46 @@ class Scheduler:
         bm = self.bm
         need = n * num_blocks_per_seq(bm.kv_cache_layout, total, bm.block_size,
                                       min(total, cfg.max_num_batched_tokens))
-        usable = bm.device.num_blocks - bm.watermark_blocks
+        usable = bm.num_usable_blocks
         if need > usable:
             raise ValueError(f"request {request_id!r}: prompt of {num_prompt} tokens + max_tokens={max_tokens}"
                              f" (n={n}) needs {need} KV blocks of {bm.block_size} tokens, but only {usable}"
-                             f" of the cache's {bm.device.num_blocks} (num_kv_blocks) are usable")
+                             f" of the cache's {bm.num_blocks} (num_kv_blocks) are usable")
 
-    def abort_request(self, request_id: str) -> bool:
-        """Finish a request wherever it is, freeing its device or host blocks; False if unknown or done."""
+    def finish_requests(self, request_ids: str | Iterable[str], reason: FinishReason) -> list[str]:
+        """End requests wherever they are (each live sequence with `reason`), freeing their device or
+        host blocks; returns the ids it ended (unknown or finished ones are skipped)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ended = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            with deferred_interrupts():
+                for seq in request.live_seqs():
+                    request.finish_reasons[seq.seq_id] = reason
+                self._finish_request(request)
+            ended.append(request_id)
+        return ended
+
+    def finish_sequences(self, request_id: str, seq_ids: Iterable[int], reason: FinishReason) -> None:
+        """End single sequences of a request (a stop string in one of its n samples), freeing their
+        blocks; the request finishes once none of its sequences is live."""
         request = self.requests.get(request_id)
         if request is None:
-            return False
+            return
         with deferred_interrupts():
-            for seq in request.live_seqs():
-                request.finish_reasons[seq.seq_id] = FinishReason.ABORT
-            self._finish_request(request)
-        return True
+            live = {seq.seq_id: seq for seq in request.live_seqs()}
+            for seq_id in seq_ids:
+                if seq_id in live:
+                    request.finish_reasons[seq_id] = reason
+                    self.bm.free(live[seq_id])
+            if not request.live_seqs():
+                self._finish_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """finish_requests(request_id, ABORT); False if unknown or done."""
+        return bool(self.finish_requests(request_id, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -149,59 +172,98 @@ class Scheduler:
         """Every sequence of the unfinished requests: together their tables hold every used block."""
         return list(self._seqs.values())
 
-    def rebuild_block_accounting(self) -> None:
-        """Make the block pools agree with the block tables of this scheduler's sequences, dropping
-        whatever else held blocks (an engine-level loop over the block manager that failed)."""
-        self.bm.rebuild_accounting(self.sequences())
-
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step. If this raises (whatever, wherever), nothing has changed."""
-        if self._pending is not None:
-            raise RuntimeError(f"schedule() called again before update_from_output() for step {self._pending.step}")
-        self._snapshot = self._take_snapshot()
+        """Decide the next step. If this raises, the step has been recovered (see recover())."""
+        if self._open is not None:
+            if self._open.out is not None and not self._open.committing:
+                raise RuntimeError(f"schedule() called again before update_from_output() for step {self._open.out.step}")
+            self.recover()  # a failed step whose clean-up an interrupt cut short
+        self._open = OpenStep()
         try:
             out = self._schedule()
-            self._pending = out
-            self.step += 1
-            return out
         except BaseException:
-            self._roll_back()
+            self.recover()
             raise
+        with deferred_interrupts():  # the runner hears of the finished requests once, with this step
+            self._finished_ids = []
+            self._open.out = out
+            self.step += 1
+        return out
 
     @property
     def pending(self) -> SchedulerOutput | None:
-        """The step schedule() returned that neither update_from_output nor discard_step has ended."""
-        return self._pending
+        """The step schedule() returned that neither update_from_output nor recover() has ended."""
+        return self._open.out if self._open is not None and not self._open.committing else None
 
-    # Fields a step may change beside the requests it touches (see transaction.py).
-    _STEP_FIELDS = ("waiting", "running", "swapped", "requests", "_seqs", "_finished_ids", "step", "_next_admit",
-                    "_next_seq_id", "num_finished", "num_swap_preemptions", "num_recompute_preemptions")
+    def recover(self) -> list[str] | None:
+        """End a step that did not complete; the scheduler can then schedule again. Returns the ids of
+        the requests it requeued or finished, or None if no step was open.
 
-    def _take_snapshot(self) -> SchedulerSnapshot:
-        state = {name: getattr(self, name) for name in self._STEP_FIELDS}
-        for name in ("waiting", "running", "swapped", "requests", "_seqs", "_finished_ids"):
-            state[name] = type(state[name])(state[name])  # shallow copies; the requests are saved below
-        snapshot = SchedulerSnapshot(state, self.bm.counters())
-        for request in self.running + list(self.swapped):
-            snapshot.save(request)
-        return snapshot
-
-    def _roll_back(self) -> None:
-        """Back to the state before schedule(): fields, touched requests, then the pools from the tables."""
+        If schedule() raised, or executing its step failed, every request the step touched (admitted,
+        scheduled, preempted, swapped in) is requeued as by recompute preemption: its blocks dropped,
+        its computed tokens 0, waiting at the front of the queue (oldest admitted first); its tokens
+        stay, so a deterministic request ends with the output it would have had. If recording the step
+        (update_from_output) raised, which its checked inputs leave to bugs, every request the step
+        scheduled is finished (aborted), keeping the tokens appended so far. Either way the block pools
+        are rebuilt from the remaining block tables, and blocks indexed during the step are no prefix
+        hits any more (a swap-in or a KV-tier load indexes blocks before the step fills them).
+        """
+        step = self._open
+        if step is None:
+            return None
         with deferred_interrupts():
-            snapshot, self._snapshot, self._pending = self._snapshot, None, None
-            vars(self).update(snapshot.state)  # the snapshot's own copies: it is discarded here
-            snapshot.restore_requests()
-            self.bm.restore_counters(snapshot.manager_counters)
-            self.bm.undo_step_indexing()
-            self.bm.begin_step()
-            self.rebuild_block_accounting()
+            if step.committing:
+                ids, dropped = self._finish_failed(step.out)
+            else:
+                ids, dropped = self._requeue_failed(step)
+            self._seqs = {seq.seq_id: seq for request in self.requests.values() for seq in request.seqs}
+            self.bm.recover(self.sequences(), dropped)
+            self._open = None
+        return ids
+
+    def discard_step(self, out: SchedulerOutput) -> bool:
+        """recover() from a step whose execution failed (the runner may have carried out any part of
+        `out`, or none); False (and nothing changes) if `out` is not the pending step."""
+        if out is not self.pending:
+            return False
+        self.recover()
+        return True
+
+    def _requeue_failed(self, step: OpenStep) -> tuple[list[str], list]:
+        requests = [r for r in step.touched.values() if not r.status.is_finished]
+        if step.out is not None:  # the runner may never have seen them
+            self._finished_ids = step.out.finished_request_ids + self._finished_ids
+        self._remove_from_queues({id(r) for r in requests})
+        front = sorted(requests, key=lambda r: (r.admit_order < 0, r.admit_order, r.arrival_order))
+        for request in front:
+            request.status = RequestStatus.WAITING
+        self.waiting.extendleft(reversed(front))
+        return [r.request_id for r in requests], [seq for r in requests for seq in r.seqs]
+
+    def _finish_failed(self, out: SchedulerOutput) -> tuple[list[str], list]:
+        ids = list(dict.fromkeys(s.request_id for s in out.scheduled))
+        requests = [self.requests[rid] for rid in ids if rid in self.requests]
+        for request in requests:
+            for seq in request.seqs:
+                request.finish_reasons.setdefault(seq.seq_id, FinishReason.ABORT)
+            request.status = request.final_status()
+            request.finished_step = self.step
+            del self.requests[request.request_id]
+            self._finished_ids.append(request.request_id)
+            self.num_finished += 1
+        self._remove_from_queues({id(r) for r in requests})
+        return ids, [seq for r in requests for seq in r.seqs]
+
+    def _remove_from_queues(self, gone: set[int]) -> None:
+        """Take the requests whose id() is in `gone` out of every queue, wherever a failure left them."""
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.swapped = deque(r for r in self.swapped if id(r) not in gone)
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
-        self._finished_ids = []
         self._scheduled, self._scheduled_seqs = set(), set()
         self.bm.begin_step()
         if self.kv_connector is not None:  # [kv tier]
@@ -283,6 +345,7 @@ class Scheduler:
             seqs = request.live_seqs()
             if not budget.fits(len(seqs), len(seqs)) or not self.bm.can_swap_in(seqs):
                 return
+            self._open.touch(request)
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.bm.swap_in(seqs))
             self._to_running(request)
@@ -296,7 +359,6 @@ class Scheduler:
         while self.waiting and budget.fits(1, 1):
             request = self.waiting[0]
             head = request.live_seqs()[0]
-            self._snapshot.save(request)
             # Strict arrival order: skipping a head that does not fit would let small requests starve it.
             if not self._allocate(request, head, out, budget):
                 return
@@ -311,6 +373,7 @@ class Scheduler:
 
     def _allocate(self, request: Request, seq: Sequence, out: SchedulerOutput, budget: _Budget) -> bool:
         """Admit a block-less sequence with a chunk of the budget, past its prefix-cache hits."""
+        self._open.touch(request)
         use_cache = not request.prompt_logits_pending
         hit = self.bm.lookup_prefix(seq, use_cache)
         ext = 0
@@ -319,7 +382,8 @@ class Scheduler:
         n = min(seq.num_tokens - request.holds_back_last_token(seq) - hit - ext, budget.tokens)
         if not self.bm.can_allocate(seq, ext + n, use_cache):
             return False
-        cached = self.bm.allocate(seq, ext + n, use_cache)
+        # [kv tier] a re-admission after preemption is no new prefix-cache query
+        cached = self.bm.allocate(seq, ext + n, use_cache, count_hits=request.num_preemptions == 0)
         if ext:  # [kv tier]
             cached += self._load_external(request, seq, cached, ext)
         if request.num_cached_tokens < 0:
@@ -339,6 +403,7 @@ class Scheduler:
         return ext
 
     def _append(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
+        self._open.touch(request)
         out.blocks_to_copy.extend(self.bm.append_slots(seq, n))
         self._record(request, seq, n, out, budget)
 
@@ -357,6 +422,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._open.touch(request)
         seqs = request.live_seqs()
         self.running.remove(request)
         request.num_preemptions += 1
@@ -376,7 +442,7 @@ class Scheduler:
     def _preemption_mode(self, seqs: list[Sequence]) -> str:
         if self.preemption_mode is not None:
             return self.preemption_mode
-        if self.bm.host.num_blocks == 0:
+        if self.bm.num_host_blocks == 0:
             return "recompute"
         num_blocks = num_unique_blocks(seqs)
         num_tokens = sum(s.num_computed_tokens for s in seqs)
@@ -422,7 +488,7 @@ class Scheduler:
         """Record the step `out` described: its tokens are computed, and each sampling sequence gets
         its sampled token(s) (a list of num_samples where that is > 1); each beam request whose beams
         sampled gets its selection in `beams` instead (by request id). Returns requests that finished."""
-        if out is not self._pending:
+        if out is not self.pending:
             raise ValueError("update_from_output expects the SchedulerOutput of the latest schedule()")
         # Aborted after schedule(): its blocks are already free, and nothing it sampled matters.
         live = [(s, self.requests[s.request_id]) for s in out.scheduled
@@ -432,10 +498,11 @@ class Scheduler:
         selections = self._beam_steps(live, beams or {})
         try:
             with deferred_interrupts():
+                self._open.committing = True
                 finished = self._commit(live, tokens, selections)
-                self._pending = self._snapshot = None
-        except Exception:
-            self._recover_after_run(out)
+                self._open = None
+        except BaseException:
+            self.recover()  # finishes the step's requests: their tokens may be half-appended
             raise
         if self.kv_connector is not None:  # [kv tier] the blocks this step filled are now worth keeping
             self.kv_connector.on_step_computed(self.bm)
@@ -525,61 +592,6 @@ class Scheduler:
         request.group.seqs[:] = children
         return False
 
-    def discard_step(self, out: SchedulerOutput) -> bool:
-        """Forget the latest step after executing it failed, so that schedule() may run again.
-
-        The runner may have carried out any part of `out`, or none of it. Its tokens count as not
-        computed and run again later (their slots stay allocated). A request whose KV the step was
-        to move or copy (a swap in or out, a copy-on-write, a prefix hit on a block being swapped in)
-        cannot trust its cache: it goes back to waiting and is recomputed, as after a recompute
-        preemption. So does one admitted with a hit on a block this step was to compute. Sampled
-        tokens are kept, so a deterministic request ends with the output it would have had without
-        the failure. False (and nothing changes) if `out` is not the pending step.
-        """
-        if out is not self._pending:
-            return False
-        with deferred_interrupts():
-            self._discard(out)
-        return True
-
-    def _discard(self, out: SchedulerOutput) -> None:
-        self._pending = self._snapshot = None
-        self._finished_ids = out.finished_request_ids + self._finished_ids  # the runner may not have seen them
-        untrusted = {dst for _, dst in out.blocks_to_swap_in + out.blocks_to_copy}
-        untrusted.update(_loaded_blocks(out))  # [kv tier]
-        self.bm.forget_contents(untrusted)
-        readers = self.bm.in_step_readers()  # hit blocks this very step was to write
-        victims = [r for r in self.running
-                   if any(seq.seq_id in readers or any(b in untrusted for b in live_blocks(seq)) for seq in r.live_seqs())]
-        victims += [r for r in self.swapped if r.request_id in out.preempted]  # its host copy may be unwritten
-        # Oldest admitted ends up at the front of the queue, as recompute preemption leaves it.
-        for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
-            self._requeue_for_recompute(request)
-
-    def _recover_after_run(self, out: SchedulerOutput) -> None:
-        """update_from_output failed part way (a bug: its inputs were checked first). Back to the state
-        before schedule(); the runner did run the step, so whoever held KV in a slot it wrote (blocks a
-        preemption freed and the step reused) is recomputed, and no such block stays a prefix hit."""
-        self._roll_back()
-        bs = self.bm.block_size
-        written = {slot for s in out.scheduled for slots in s.slot_mappings for slot in slots if slot >= 0}
-        written.update(b * bs + i for _, b in out.blocks_to_swap_in + out.blocks_to_copy for i in range(bs))
-        written.update(b * bs + i for b in _loaded_blocks(out) for i in range(bs))  # [kv tier]
-        host_written = {b for _, b in out.blocks_to_swap_out}
-        self.bm.forget_contents({slot // bs for slot in written})
-        victims = [r for r in self.running if any(_reads_written(seq, written, bs) for seq in r.live_seqs())]
-        victims += [r for r in self.swapped if any(b in host_written for s in r.live_seqs() for b in live_blocks(s))]
-        for request in sorted(victims, key=lambda r: r.admit_order, reverse=True):
-            self._requeue_for_recompute(request)
-
-    def _requeue_for_recompute(self, request: Request) -> None:
-        queue = self.running if request.status is RequestStatus.RUNNING else self.swapped
-        queue.remove(request)
-        for seq in request.live_seqs():
-            self.bm.free(seq)
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
     @staticmethod
     def _sampled_tokens(s: ScheduledSequence, sampled: Mapping[int, int | list[int]]) -> list[int]:
         if s.seq_id not in sampled:
@@ -617,6 +629,11 @@ class Scheduler:
     def _finish_request(self, request: Request) -> None:
         for seq in request.seqs:
             self.bm.free(seq)
+        self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        """Take a request whose sequences hold no blocks out of its queue: it is finished."""
+        for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
                  RequestStatus.SWAPPED: self.swapped}[request.status]
@@ -645,15 +662,3 @@ def _check_spec_tokens(s: ScheduledSequence, tokens: list[int]) -> list[int]:
         raise ValueError(f"sampled[{s.seq_id}] must be a prefix of the proposed tokens {spec} then one more"
                          f" token id, got {tokens!r}")
     return tokens
-
-
-def _reads_written(seq: Sequence, written: set[int], block_size: int) -> bool:
-    """Whether a slot holding one of seq's computed tokens (in any group's table) is among `written`."""
-    return any(table[p // block_size] != NULL_BLOCK and table[p // block_size] * block_size + p % block_size in written
-               for table in seq.block_tables for p in range(seq.num_computed_tokens))
-
-
-def _loaded_blocks(out: SchedulerOutput) -> list[int]:
-    """[kv tier] The device blocks a KV connector loads in step `out` (none without one)."""
-    meta = out.kv_connector_meta
-    return meta.load_block_ids() if meta is not None else []

@@ -12,7 +12,8 @@ from typing import Iterable
 
 import torch
 
-from kvpage.core import BeamStep, BlockManager, FinishReason, Request, Scheduler, SchedulerOutput
+from kvpage.core import BeamStep, FinishReason, Request, Scheduler, SchedulerOutput
+from kvpage.core.block_manager import CacheConfig
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.kv_cache_groups import KVCacheLayout
 
@@ -89,19 +90,17 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          num_host_blocks=config.num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching,
-                                          kv_cache_layout=config.kv_cache_layout)
         self.cost_model = measured_cost_model(runner, config.block_size)  # swap vs recompute, priced here
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
+        cache = CacheConfig(config.num_kv_blocks, config.block_size, config.num_host_blocks,
+                            config.enable_prefix_caching, config.kv_cache_layout)
+        self.scheduler = Scheduler(cache, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                    preemption_mode=config.preemption_mode, cost_model=self.cost_model)
         self.sampler = Sampler(config.seed)
         self.kv_connector = None
         if config.kv_offloading_size is not None or config.kv_offloading_dir is not None:  # [kv tier]
             from kvpage.kv_offload import attach_offloading
-            self.runner, self.kv_connector = attach_offloading(runner, tokenizer, self.block_manager, self.scheduler,
+            self.runner, self.kv_connector = attach_offloading(runner, tokenizer, self.scheduler.bm, self.scheduler,
                                                                config.kv_offloading_size, config.kv_offloading_dir)
         self._states: dict[str, _RequestState] = {}
         self.spec_decode = None  # [spec decode] kvpage.spec_decode.SpecDecode: see attach_spec_decode
@@ -109,12 +108,15 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.max_kv_blocks_used = 0
         self._idle_steps = 0
-        self._consistent = True  # False from a step's start until it is committed or repaired
-        # After step() raised: the requests the failed step held (still queued, to run again), or None
-        # where it failed before a step was formed.
+        # After step() raised: the requests the failed step scheduled (requeued, or finished where recording
+        # the step failed), or None where it failed before a step was formed.
         self.failed_request_ids: list[str] | None = None
+
+    @property
+    def block_manager(self):
+        """The scheduler's block manager, for tests and the KV tier's wiring; the engine never calls it."""
+        return self.scheduler.bm
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -246,7 +248,7 @@ class LLMEngine:
         for rid in ids:
             with deferred_interrupts():
                 if self._states.pop(rid, None) is not None:
-                    self.scheduler.abort_request(rid)
+                    self.scheduler.finish_requests(rid, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -258,13 +260,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of streaming requests that advanced, and of every
-        request that finished (its final output)."""
+        request that finished (its final output). If it raises, the scheduler has recovered the step
+        (Scheduler.recover: its requests requeued, or finished where recording it failed), the engine
+        goes on, and failed_request_ids names the step's requests."""
         self.settle()
+        out = None
         try:
-            self._consistent = False
-            out = self.scheduler.schedule()  # on failure it has already put everything back
+            out = self.scheduler.schedule()
             self.num_steps += 1
-            self.max_kv_blocks_used = max(self.max_kv_blocks_used, self.block_manager.device.num_used)
             rows = [s for s in out.scheduled if s.do_sample]
             keep = [i for i, s in enumerate(rows) if self._states[s.request_id].beam is None]  # not beam search
             plain = [rows[i] for i in keep]
@@ -293,35 +296,30 @@ class LLMEngine:
                 for state, position, entries in prompt_logprobs:  # in order: no position comes twice
                     state.prompt_logprobs[position + 1:] = entries
                 outputs = self._process(rows)
-                self._consistent = True
             return outputs
         except BaseException:
-            # Whatever failed (the runner, the sampler, a KeyboardInterrupt), the scheduler forgets the
-            # step and its requests run again from a consistent state; the caller decides about them.
-            pending = self.scheduler.pending
-            self.failed_request_ids = None if pending is None else sorted({s.request_id for s in pending.scheduled})
-            self._repair()
+            self._fail_step(out)
             raise
 
     def settle(self) -> None:
-        """Finish the clean-up of a failed step that an interrupt cut short (a no-op otherwise)."""
-        if not self._consistent:
-            self._repair()
+        """End a failed step whose clean-up an interrupt cut short (a no-op otherwise)."""
+        if self.scheduler.recover() is not None:
+            self._drop_finished()
 
-    def _repair(self) -> None:
-        """After a failure: no step pending (not `out`: an interrupt may land after schedule() returned
-        but before out was bound), and the engine's requests and the scheduler's the same set (a request
-        only one side knows is withdrawn), so no later call trips over a half-known request."""
+    def _fail_step(self, out: SchedulerOutput | None) -> None:
         with deferred_interrupts():
-            pending = self.scheduler.pending
-            if pending is not None:
-                self.scheduler.discard_step(pending)
-            known = self.scheduler.requests
-            for rid in [rid for rid in self._states if rid not in known]:
-                del self._states[rid]
-            for rid in [rid for rid in known if rid not in self._states]:
-                self.scheduler.abort_request(rid)
-            self._consistent = True
+            if out is None:  # an interrupt may land after schedule() returned, before out was bound
+                out = self.scheduler.pending
+            if self.scheduler.recover() is None and out is not None:
+                # The scheduler had recorded the step; the engine's own records of it failed part way.
+                self.scheduler.finish_requests([s.request_id for s in out.scheduled], FinishReason.ABORT)
+            self.failed_request_ids = None if out is None else sorted({s.request_id for s in out.scheduled})
+            self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Forget the requests a failed step left finished without the engine reporting them."""
+        for rid in [rid for rid, state in self._states.items() if state.request.status.is_finished]:
+            del self._states[rid]
 
     # -- [spec decode] (kvpage.spec_decode) ---------------------------------------------------------
 
@@ -522,15 +520,8 @@ class LLMEngine:
         return range(min(seq.num_prompt_tokens + sample.detok.read_offset + 1, seq.num_tokens), seq.num_tokens + 1)
 
     def _finish_sequence(self, request: Request, seq) -> None:
-        """Stop one sequence on a stop string: the scheduler only knows token-id stops.
-        (A scheduler-side finish_sequence(seq_id, reason) would make this two lines.)"""
-        already = seq.seq_id in request.finish_reasons
-        request.finish_reasons[seq.seq_id] = FinishReason.STOP
-        if already:
-            return
-        self.block_manager.free(seq)
-        if not request.live_seqs():
-            self.scheduler.abort_request(request.request_id)  # no live sequence: just finalises it
+        """Stop one sequence on a stop string: the scheduler only knows token-id stops."""
+        self.scheduler.finish_sequences(request.request_id, [seq.seq_id], FinishReason.STOP)
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
         request = state.request
@@ -569,9 +560,9 @@ class LLMEngine:
         b = s.blocks
         return {
             "num_kv_blocks": b.num_blocks, "block_size": self.config.block_size,
-            "kv_blocks_used": b.num_used_blocks, "max_kv_blocks_used": self.max_kv_blocks_used,
+            "kv_blocks_used": b.num_used_blocks, "max_kv_blocks_used": b.max_num_used_blocks,
             "kv_blocks_used_per_group": list(b.num_used_blocks_per_group),
-            "kv_cache_groups": kv_cache_groups_stats(self.block_manager.kv_cache_layout),
+            "kv_cache_groups": kv_cache_groups_stats(b.kv_cache_layout),
             "kv_blocks_cached": b.num_cached_blocks, "num_host_blocks": b.num_host_blocks,
             "prefix_cache_queried_tokens": b.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": b.prefix_cache_hit_tokens, "prefix_cache_hit_rate": b.prefix_cache_hit_rate,
@@ -589,7 +580,7 @@ class LLMEngine:
         """[kv tier] Persist the pool's cached blocks to a disk tier and stop its writer (idempotent; no tier: nothing)."""
         if self.kv_connector is not None:
             from kvpage.kv_offload import close_offloading
-            close_offloading(self.runner, self.kv_connector, self.block_manager)
+            close_offloading(self.runner, self.kv_connector, self.scheduler.bm)
 
     def _kv_tier_stats(self) -> dict:
         """[kv tier] The tier's counters; prefix_cache_hit_tokens / _rate then count tier hits too (a
