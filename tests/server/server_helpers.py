@@ -97,3 +97,30 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return metrics
         time.sleep(0.05)
+
+
+def get_status(url: str, path: str) -> int:
+    """The HTTP status of a GET."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + path, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def stream_lines(url: str, body: dict, first_read, lines: list, keep_reading: bool = True) -> None:
+    """POST a streamed completion and collect its SSE payloads into lines (first_read set at the first);
+    keep_reading=False closes the connection after the first (a client that went away)."""
+    import json
+    import urllib.request
+    request = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                lines.append(line[6:].strip().decode())
+                first_read.set()
+                if not keep_reading:
+                    return

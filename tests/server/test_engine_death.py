@@ -9,8 +9,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 
 import pytest
@@ -20,7 +18,8 @@ from kvpage import SamplingParams
 from kvpage.server.cli_args import add_serve_parser
 from kvpage.server.engine_loop import EngineDead
 from kvpage.server.serving import EnginePrompt, submit
-from server_helpers import MODEL_NAME, _free_port, make_llm, post, running_server, wait_idle
+from server_helpers import (MODEL_NAME, _free_port, get_status, make_llm, post, running_server, stream_lines,
+                            wait_idle)
 
 IDLE_CPU_LIMIT = 0.02  # of one core
 
@@ -50,30 +49,12 @@ def _serving(model, tok, **app_kwargs):
         llm.shutdown()
 
 
-def _status(url: str, path: str) -> int:
-    try:
-        with urllib.request.urlopen(url + path, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def _stream_lines(url: str, body: dict, first_read: threading.Event, lines: list) -> None:
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        for line in response:
-            if line.startswith(b"data: "):
-                lines.append(line[6:].strip().decode())
-                first_read.set()
-
-
 def test_a_dead_engine_loop_fails_its_streams_answers_503_and_says_so(model, tok):
     died: list[Exception] = []
     with _serving(model, tok, on_engine_dead=died.append) as (url, app, llm):
         lines, first_read = [], threading.Event()
-        body = {"model": MODEL_NAME, "prompt": [5, 7, 9], "max_tokens": 200, "ignore_eos": True, "stream": True}
-        client = threading.Thread(target=_stream_lines, args=(url, body, first_read, lines), daemon=True)
+        body = {"model": MODEL_NAME, "prompt": [5, 7, 9], "max_tokens": 200, "ignore_eos": True}
+        client = threading.Thread(target=stream_lines, args=(url, body, first_read, lines), daemon=True)
         runner, execute = llm.llm_engine.runner, llm.llm_engine.runner.execute
         runner.execute = lambda out: (time.sleep(0.05), execute(out))[1]  # slow enough to die mid-stream
         client.start()
@@ -88,7 +69,7 @@ def test_a_dead_engine_loop_fails_its_streams_answers_503_and_says_so(model, tok
         while not died and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(died) == 1 and isinstance(died[0], EngineDead)
-        assert not app.state.ctx.engine_loop.is_alive and _status(url, "/health") == 503
+        assert not app.state.ctx.engine_loop.is_alive and get_status(url, "/health") == 503
 
 
 def test_after_death_new_requests_are_503_at_once_and_blocks_are_freed(model, tok):
@@ -152,7 +133,8 @@ def test_kvpage_serve_exits_with_status_1_when_its_engine_loop_dies(model, tok, 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     port = _free_port()
-    args = parser.parse_args(["serve", "--port", str(port), "--served-model-name", MODEL_NAME])
+    args = parser.parse_args(["serve", "--port", str(port), "--served-model-name", MODEL_NAME, "--engine-core",
+                              "inprocess"])
     answers = []
 
     def client():
@@ -171,6 +153,6 @@ def test_kvpage_serve_exits_with_status_1_when_its_engine_loop_dies(model, tok, 
 
 def _status_or_none(url: str) -> int | None:
     try:
-        return _status(url, "/health")
+        return get_status(url, "/health")
     except OSError:
         return None

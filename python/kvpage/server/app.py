@@ -117,16 +117,18 @@ def _tokenizer_routes(ctx: ServingContext, vocab_size: int | None) -> APIRouter:
 def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None,
               max_waiting_requests: int | None = None, max_request_body_bytes: int | None = None,
               metrics_without_auth: bool = False, tokenizer_workers: int = 2, on_engine_dead=None) -> FastAPI:
-    """The server over a kvpage.LLM: its engine then belongs to the app's engine loop (no other
-    caller may step it while the app runs). max_request_body_bytes: a larger body is answered 413
-    (default: default_max_request_body_bytes of max_model_len). tokenizer_workers: the threads that
-    tokenize, template and detokenize (few: they share the CPU with the engine's steps). on_engine_dead(error):
-    called if the engine loop dies (its requests already failed, /health 503); `kvpage serve` exits on it."""
-    engine = llm.llm_engine
-    engine_loop = EngineLoop(engine, max_waiting_requests, on_dead=on_engine_dead)
+    """The server over a kvpage.LLM (served by an engine core on a thread of this process: its engine then
+    belongs to the app, no other caller may step it while the app runs) or over an EngineCoreClient (`kvpage
+    serve`'s engine core in a process of its own). The app's lifespan starts and stops the core.
+    max_request_body_bytes: a larger body is answered 413 (default: default_max_request_body_bytes of
+    max_model_len). tokenizer_workers: the threads that tokenize and template (few: they share the CPU with the
+    engine's steps). on_engine_dead(error): called if the engine core dies (its requests already failed, /health
+    503); `kvpage serve` exits on it."""
+    engine_loop = EngineLoop(llm, max_waiting_requests, on_dead=on_engine_dead)
+    info = engine_loop.client.info
     pool = ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="kvpage-tokenizer")
-    ctx = ServingContext(engine_loop, llm.tokenizer, served_model_name, engine.config.max_model_len,
-                         ServerMetrics(engine_loop, served_model_name), llm.default_sampling_fields, pool)
+    ctx = ServingContext(engine_loop, info.tokenizer, served_model_name, info.max_model_len,
+                         ServerMetrics(engine_loop, served_model_name), info.sampling_defaults, pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -141,7 +143,7 @@ def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(_openai_routes(ctx))
-    app.include_router(_tokenizer_routes(ctx, getattr(engine.runner, "vocab_size", None)))
+    app.include_router(_tokenizer_routes(ctx, info.vocab_size))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health():
@@ -155,7 +157,7 @@ def build_app(llm, served_model_name: str = "kvpage", api_key: str | None = None
 
     # The last added runs first: the key is checked before a byte of the body is read.
     if max_request_body_bytes is None:
-        max_request_body_bytes = default_max_request_body_bytes(engine.config.max_model_len)
+        max_request_body_bytes = default_max_request_body_bytes(info.max_model_len)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key is not None:
         open_paths = frozenset({"/health", "/metrics"} if metrics_without_auth else {"/health"})

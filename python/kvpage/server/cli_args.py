@@ -44,6 +44,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         " per token of the context length, at least 1 MiB)")
     p.add_argument("--max-waiting-requests", type=positive_int, default=None,
                    help="answer 503 while this many requests wait to run (default: unbounded)")
+    p.add_argument("--engine-core", choices=("process", "inprocess"), default="process",
+                   help="where the engine core (scheduler, runner, detokenizer) runs: a process of its own, so that"
+                        " HTTP never competes with a step for the GIL (default), or a thread of the server's"
+                        " process")
     add_engine_args(p, skip=("model",))
     return p
 
@@ -60,13 +64,17 @@ def model_name(args) -> str:
 def run_server(args) -> None:
     import uvicorn
 
-    import kvpage
+    from kvpage.engine.core_client import make_engine_core_client
     from kvpage.engine.generation_defaults import describe as describe_sampling_defaults
     from .app import build_app
 
     sock = bind(args.host, args.port)  # before the model loads: a busy port is told in a second, not a minute
     try:
-        llm = kvpage.LLM(model=args.model, **engine_kwargs(args))
+        # The options' refusals (ValueError / TypeError) come back from a process core as they are (status 2).
+        try:
+            client = make_engine_core_client(args.engine_core, args.model, engine_kwargs(args))
+        except RuntimeError as e:  # the engine core did not start: its reason, in one line
+            raise SystemExit(f"kvpage serve: error: {e}") from None
         died: list[Exception] = []
 
         def exit_on_engine_death(error: Exception) -> None:
@@ -75,18 +83,21 @@ def run_server(args) -> None:
             died.append(error)
             server.should_exit = True
         try:
-            app = build_app(llm, model_name(args), api_key=args.api_key,
+            app = build_app(client, model_name(args), api_key=args.api_key,
                             max_waiting_requests=args.max_waiting_requests,
                             max_request_body_bytes=args.max_request_body_bytes,
                             metrics_without_auth=args.metrics_without_auth, on_engine_dead=exit_on_engine_death)
-            logger.warning("kvpage serve: %s on http://%s:%d/v1", model_name(args), args.host, args.port)
-            logger.warning("kvpage serve: %s", describe_sampling_defaults(llm.default_sampling_fields))
+            logger.warning("kvpage serve: %s on http://%s:%d/v1 (engine core: %s)", model_name(args), args.host,
+                           args.port, args.engine_core)
+            logger.warning("kvpage serve: %s", describe_sampling_defaults(client.info.sampling_defaults))
             server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
             server.run(sockets=[sock])
             if died:
                 raise SystemExit(f"kvpage serve: error: {died[0]}")
         finally:
-            llm.shutdown()
+            client.shutdown()
+            if getattr(client, "llm", None) is not None:
+                client.llm.shutdown()
     finally:
         sock.close()
 

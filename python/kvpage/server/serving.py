@@ -68,7 +68,7 @@ class ServingContext:
     def _fitting_max_tokens(self, num_prompt: int, want: int, n: int, prompt_field: str) -> int:
         """The largest max_tokens <= want with which n samples fit the KV cache in the worst case (the
         scheduler's own admission check, so a hybrid cache's windows count as the scheduler counts them)."""
-        scheduler = self.engine_loop.engine.scheduler
+        scheduler = self.engine_loop.client.info.scheduler
 
         def fits(max_tokens: int) -> bool:
             try:
