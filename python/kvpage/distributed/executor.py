@@ -1,12 +1,8 @@
-"""The driver (rank 0): owns nothing of the scheduling, only the broadcast. LLMEngine calls `execute(step)`
-on it as on a ModelRunner (both are kvpage.engine.executor_base.Executors); each call packs the step
-(protocol.py), broadcasts it, runs rank 0's shard on the unpacked tensors, and returns the logits the LM head
-gathered.
+"""The driver (rank 0), an Executor like a ModelRunner: each execute(step) packs the step (protocol.py),
+broadcasts it, and runs rank 0's ModelRunner.execute on the unpacked tensors, as every worker does.
 
-Failure handling: before each step the driver polls its worker processes; during one, a dead worker breaks
-the collective at once (closed sockets) and a hung one after KVPAGE_TP_TIMEOUT_S. Either way the driver
-kills its workers, destroys the process group, and raises a RuntimeError naming the rank and its exit
-status; that LLM is then closed (every later call says so), and a new LLM in the same process starts clean.
+A dead worker (closed sockets) or a hung one (KVPAGE_TP_TIMEOUT_S) fails the step: the driver kills its
+workers, destroys the process group and raises a RuntimeError naming the rank; that LLM is then closed.
 """
 from __future__ import annotations
 
@@ -158,14 +154,16 @@ class TensorParallelExecutor(Executor):
 
     def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                  cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest", dcp_interleave: int = 1, layout=None) -> None:
+                 matmul_precision: str = "highest", dcp_interleave: int = 1, layout=None,
+                 cuda_graphs=None) -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
         cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES; weight_dtype: the
         ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard), as
         is matmul_precision. block_size: a rank's physical block; under decode context parallelism the
         scheduler's blocks are block_size * dcp_size tokens (virtual_block_size), dcp_interleave
         positions at a time on each rank of the group. layout: None (one group of all layers) or the model's
-        own KV-cache groups (model_kv_cache_layout), which every rank derives from its config."""
+        own KV-cache groups (model_kv_cache_layout), which every rank derives from its config. cuda_graphs: the
+        ModelRunner's (a CudaGraphConfig, or None: eager), on every rank alike."""
         from kvpage.model.runner import model_kv_cache_layout
 
         if layout is not None and layout != model_kv_cache_layout(self.model.config):
@@ -173,7 +171,7 @@ class TensorParallelExecutor(Executor):
                              " (kvpage.model.runner.model_kv_cache_layout) or in one group (None)")
         own = None if cache_dtype == self.model.dtype else cache_dtype
         h = protocol.allocate_header(self._take_message(), num_kv_blocks, block_size, num_host_blocks, own,
-                                     weight_dtype, matmul_precision, dcp_interleave, layout is not None)
+                                     weight_dtype, matmul_precision, dcp_interleave, layout is not None, cuda_graphs)
         protocol.broadcast_message(h, None, self.session.group.control)
         self.runner, sizes = allocate(self.model, h, self.session.group)
         failed = [rank for rank, row in enumerate(sizes) if min(row) < 0]
@@ -208,9 +206,7 @@ class TensorParallelExecutor(Executor):
             protocol.broadcast_message(h, payload, self.session.group.control)
             t2 = time.perf_counter()
             comm_before = CommTimer.seconds
-            step = protocol.unpack_step(h, payload, self.device)
-            logits = self.runner.execute_prepared(step.blocks, step.input_ids, step.positions, step.metadata,
-                                                  step.sample_rows)
+            logits = self.runner.execute(protocol.unpack_step(h, payload, self.device))
             if self.step_log is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the work, not its launch
             t3 = time.perf_counter()
@@ -223,7 +219,7 @@ class TensorParallelExecutor(Executor):
             self.step_log.append(StepRecord(int(h[protocol.NUM_SEQS]), int(h[protocol.NUM_TOKENS]),
                                             protocol.message_bytes(h, payload), t1 - t0, t2 - t1, t3 - t2,
                                             CommTimer.seconds - comm_before))
-        if logits is None:
+        if not logits.shape[0]:  # rank 0's runner knows only its shard's vocabulary rows
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return logits
 

@@ -13,6 +13,9 @@ from enum import IntEnum
 
 import torch
 
+from kvpage.model.cuda_graphs import CudaGraphConfig
+from kvpage.model.runner import KV_CACHE_DTYPES, MATMUL_PRECISIONS
+from kvpage.model.runner import WEIGHT_DTYPES as WEIGHT_DTYPE_NAMES
 from kvpage.model.step_inputs import PayloadSizes, Step, pack_payload, unpack_payload
 
 
@@ -32,15 +35,14 @@ _SIZE_SLOTS = tuple(f.name for f in fields(PayloadSizes))  # in PayloadSizes' or
 # An ALLOCATE message's fields, in size slots (KV_CACHE_DTYPE: an index into CACHE_DTYPES, WEIGHT_DTYPE
 # into WEIGHT_DTYPES; BLOCK_SIZE a rank's physical block; DCP_INTERLEAVE: dcp_kv_cache_interleave_size;
 # MODEL_KV_CACHE_GROUPS: 1 where the caches are laid out in the model's KV-cache groups, which every rank
-# derives from its config (kvpage.model.runner.model_kv_cache_layout), 0 for one group of all layers).
+# derives from its config (kvpage.model.runner.model_kv_cache_layout), 0 for one group of all layers;
+# GRAPH_MAX_NUM_SEQS / GRAPH_MAX_MODEL_LEN: the ranks' CudaGraphConfig, 0 for none: eager).
 NUM_KV_BLOCKS, BLOCK_SIZE, NUM_HOST_BLOCKS, KV_CACHE_DTYPE, WEIGHT_DTYPE, MATMUL_PRECISION, DCP_INTERLEAVE, \
-    MODEL_KV_CACHE_GROUPS = NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN
-# The cache dtypes a rank can be asked for: None is the model's own.
-CACHE_DTYPES = (None, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
-# The weight storage a rank can be asked for (ModelRunner's weight_dtype): None keeps the weights as loaded.
-WEIGHT_DTYPES = (None, torch.bfloat16, torch.float16)
-MATMUL_PRECISIONS = ("highest", "medium")  # ModelRunner's matmul_precision, by index
-_INT32_MAX = 2**31 - 1
+    MODEL_KV_CACHE_GROUPS, GRAPH_MAX_NUM_SEQS, GRAPH_MAX_MODEL_LEN = \
+    NUM_SEQS, NUM_TOKENS, WIDTH, NUM_SAMPLED, SWAP_OUT, SWAP_IN, COPY, MAX_QUERY_LEN, MAX_SEQ_LEN, NUM_GROUPS
+# ModelRunner's dtype choices by index, None first (the model's own; the weights as loaded).
+CACHE_DTYPES = tuple(dict.fromkeys(KV_CACHE_DTYPES.values()))
+WEIGHT_DTYPES = tuple(dict.fromkeys(WEIGHT_DTYPE_NAMES.values()))
 
 
 def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
@@ -55,11 +57,18 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
                     cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
                     matmul_precision: str = "highest", dcp_interleave: int = 1,
-                    model_kv_cache_groups: bool = False) -> torch.Tensor:
+                    model_kv_cache_groups: bool = False, cuda_graphs: CudaGraphConfig | None = None) -> torch.Tensor:
+    graphs = (cuda_graphs.max_num_seqs, cuda_graphs.max_model_len) if cuda_graphs is not None else (0, 0)
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
                   num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype),
                   swap_in=MATMUL_PRECISIONS.index(matmul_precision), copy=dcp_interleave,
-                  max_query_len=int(model_kv_cache_groups))
+                  max_query_len=int(model_kv_cache_groups), max_seq_len=graphs[0], num_groups=graphs[1])
+
+
+def cuda_graphs_of(h: torch.Tensor) -> CudaGraphConfig | None:
+    """An ALLOCATE header's CudaGraphConfig (None: eager decode steps)."""
+    max_num_seqs = int(h[GRAPH_MAX_NUM_SEQS])
+    return CudaGraphConfig(max_num_seqs, int(h[GRAPH_MAX_MODEL_LEN])) if max_num_seqs else None
 
 
 def cache_dtype_of(h: torch.Tensor) -> torch.dtype | None:

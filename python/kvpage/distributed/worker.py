@@ -56,7 +56,8 @@ def allocate(model, h: torch.Tensor, group: TPGroup):
                              int(h[protocol.NUM_HOST_BLOCKS]), num_kv_heads=model.kvpage_shard.num_kv_heads,
                              kv_cache_dtype=protocol.cache_dtype_of(h), weight_dtype=protocol.weight_dtype_of(h),
                              matmul_precision=protocol.matmul_precision_of(h),
-                             context_parallel=_context_parallel(group, h), kv_cache_layout=_kv_cache_layout(model, h))
+                             cuda_graphs=protocol.cuda_graphs_of(h), context_parallel=_context_parallel(group, h),
+                             kv_cache_layout=_kv_cache_layout(model, h))
         mine = [_nbytes(runner.kv_cache_pairs), _nbytes(runner.host_kv_caches)]
     except (RuntimeError, ValueError, MemoryError):
         traceback.print_exc()
@@ -104,8 +105,7 @@ def serve(model, group: TPGroup) -> None:
             if runner is None or any(b < 0 for row in sizes for b in row):
                 return  # the driver raises for every rank that failed
             continue
-        step = protocol.unpack_step(h, payload, group.device)
-        runner.execute_prepared(step.blocks, step.input_ids, step.positions, step.metadata, step.sample_rows)
+        runner.execute(protocol.unpack_step(h, payload, group.device))
 
 
 def shard_for_rank(model, world_size: int, rank: int, device: torch.device):

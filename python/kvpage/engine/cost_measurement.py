@@ -16,13 +16,15 @@ from kvpage import ops
 from kvpage.core import MeasuredCostModel, PreemptionCostModel, SchedulerOutput
 from kvpage.costmodel.device import fit_linear
 
+from .executor_base import Executor
+
 PROBE_BLOCK_COUNTS = (1, 2, 4, 8)
 
 
-def measured_cost_model(runner, block_size: int) -> MeasuredCostModel:
+def measured_cost_model(runner: Executor, block_size: int) -> MeasuredCostModel:
     """A MeasuredCostModel for this runner: its prior from the model's shape and the cache's bytes per
     token, its link probed now where the runner holds its KV cache in this process (not the driver of
-    tensor-parallel ranks, nor a stand-in runner: there the prior's link stands)."""
+    tensor-parallel ranks: there the prior's link stands)."""
     cost_model = MeasuredCostModel(prior=_prior(runner, block_size))
     link = probe_swap(runner)
     if link is not None:
@@ -30,25 +32,21 @@ def measured_cost_model(runner, block_size: int) -> MeasuredCostModel:
     return cost_model
 
 
-def _prior(runner, block_size: int) -> PreemptionCostModel:
-    model, per_block = getattr(runner, "model", None), getattr(runner, "kv_cache_bytes_per_block", None)
-    if model is None or per_block is None:
-        return PreemptionCostModel()
+def _prior(runner: Executor, block_size: int) -> PreemptionCostModel:
+    model = runner.model
     config = model.config
-    return PreemptionCostModel(kv_bytes_per_token=per_block() / block_size,
+    return PreemptionCostModel(kv_bytes_per_token=runner.kv_cache_bytes_per_block() / block_size,
                                n_params=float(sum(p.numel() for p in model.parameters())),
                                num_layers=config.num_hidden_layers, hidden_size=config.hidden_size)
 
 
-def probe_swap(runner, repeats: int = 7) -> tuple[float, float] | None:
+def probe_swap(runner: Executor, repeats: int = 7) -> tuple[float, float] | None:
     """(one-way bytes/s, seconds of fixed overhead per swap_blocks call) of the runner's device cache
     to host memory, or None where there is no cache here to probe. Round trips of 1..8 blocks into a
     scratch host buffer and back: the device blocks end as they began and the host pool is untouched.
     On a CPU a few blocks fit in the last-level cache, so the bandwidth is an upper bound; it decides
     nothing there, where recompute costs orders of magnitude more per token than a copy."""
-    # The runner's distinct cache tensors (a hybrid layout's groups share them: kv_caches repeats them per layer).
-    pairs = getattr(runner, "kv_cache_pairs", None) or getattr(runner, "kv_caches", None) or ()
-    caches = [t for kv in pairs for t in kv]
+    caches = runner.local_kv_caches()
     if not caches:
         return None
     counts = [n for n in PROBE_BLOCK_COUNTS if n <= caches[0].shape[0]]

@@ -16,6 +16,8 @@ class Executor(ABC):
     # The pools the executor allocated, in blocks (a tensor-parallel block id: one block on every rank).
     num_kv_blocks: int
     num_host_blocks: int
+    # The model this process runs (a tensor-parallel driver: rank 0's shard), for its config and size.
+    model: torch.nn.Module
 
     @abstractmethod
     def execute(self, step) -> torch.Tensor:
@@ -34,6 +36,11 @@ class Executor(ABC):
     @abstractmethod
     def kv_cache_bytes_per_rank(self) -> list[int]:
         """The device KV pool each rank allocated, in bytes, measured on that rank."""
+
+    def local_kv_caches(self) -> list[torch.Tensor]:
+        """The device KV-cache tensors this process holds, each once (K and V of every cache pair), for a swap
+        probe to time; [] where the caches live in other processes."""
+        return []
 
     def check_open(self) -> None:
         """Raise RuntimeError if the executor cannot run steps any more (failed or shut down)."""

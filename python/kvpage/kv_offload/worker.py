@@ -47,6 +47,9 @@ class KVOffloadWorker(Executor):
     def kv_cache_bytes_per_rank(self) -> list[int]:
         return self._runner.kv_cache_bytes_per_rank()
 
+    def local_kv_caches(self) -> list[torch.Tensor]:
+        return self._runner.local_kv_caches()
+
     def check_open(self) -> None:
         self._runner.check_open()
 

@@ -1,16 +1,8 @@
-"""Decode steps replayed from CUDA graphs (vLLM's): on a GPU a small model's decode step is bound by
-launching kernels, and a captured graph launches the whole forward at once.
-
-One graph per batch-size bucket (vLLM's sizes: 1, 2, 4, then every multiple of 8 up to max_num_seqs),
-captured over persistent input buffers: token ids, positions, slot mapping, block tables (the width of
-max_model_len) and seq_lens. A decode step of n sequences copies its inputs into the first n rows of
-the buffers, pads the rest of its bucket with rows that write nowhere (slot -1) and attend to one
-token, replays the bucket's graph and reads the first n rows of its output. Prefill and mixed steps,
-and batches past the largest bucket, run eagerly. The decode kernels plan their split from shapes
-alone (no device read), so a graph stays valid for every step that fits its bucket.
-
-`DecodeGraphs(..., capture=False)` runs the same padded buffers eagerly: that is how the padding is
-tested on a CPU, where no graph can be captured.
+"""Decode steps replayed from CUDA graphs (vLLM's): a small model's GPU decode step is bound by launching
+kernels, and a graph launches the whole forward at once. One graph per batch-size bucket (1, 2, 4, then
+multiples of 8 up to max_num_seqs) over persistent input buffers; a step of n sequences fills n rows, pads
+its bucket with rows that write nowhere, replays and reads n rows. Prefill, mixed and oversized steps run
+eagerly. `DecodeGraphs(..., capture=False)` runs the padded buffers eagerly (how a CPU tests the padding).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from .cuda_graphs import CudaGraphConfig, DecodeGraphs
 from .llama import LlamaForward, llama_family_mismatch
 from .loader import set_kvpage_attention
 from .metadata import AttentionMetadata, KVCache
-from .step_inputs import ModelInput, SequenceInput, pack_payload, unpack_payload
+from .step_inputs import ModelInput, SequenceInput, Step, pack_payload, unpack_payload
 
 __all__ = ["ModelInput", "ModelRunner", "SequenceInput"]  # the step types live in step_inputs.py
 
@@ -127,16 +127,30 @@ def check_kv_cache_layout(layout: KVCacheLayout, num_layers: int) -> None:
 _SERVED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
+def dtypes_from_names(kv_cache_dtype, weight_dtype, matmul_precision) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """LLM's dtype options by name (checked before the model loads): (cache dtype, weight dtype), None for
+    "auto"; ValueError naming the option for a name that is none of them."""
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
+    return kv_cache_dtype_from_name(kv_cache_dtype), weight_dtype_from_name(weight_dtype)
+
+
+def check_dtypes(dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                 matmul_precision: str) -> None:
+    """ValueError naming the argument for dtypes the kernels cannot pair with a `dtype` model on `device`:
+    the one check of them, by LLM before any rank starts and by every ModelRunner."""
+    check_cache_dtype(cache_dtype, dtype, device)
+    check_weight_dtype(weight_dtype, dtype, device)
+    check_matmul_precision(matmul_precision, dtype, device)
+
+
 def check_runner_dtypes(model, dtype: torch.dtype, cache_dtype: torch.dtype, weight_dtype: torch.dtype | None,
                         matmul_precision: str) -> None:
     """ValueError naming the argument for a combination of dtypes the runner cannot serve."""
-    device = next(model.parameters()).device
-    check_cache_dtype(cache_dtype, dtype, device)
-    check_weight_dtype(weight_dtype, dtype, device)
+    check_dtypes(dtype, next(model.parameters()).device, cache_dtype, weight_dtype, matmul_precision)
     if weight_dtype is not None and model in _SERVED_MODELS:
         raise ValueError(f"weight_dtype {weight_dtype}: this model already serves another kvpage runner, under"
                          f" which rounding its weights in place would change them; pass a freshly loaded model")
-    check_matmul_precision(matmul_precision, dtype, device)
     validate_config(model.config, dtype)
     if model.dtype != dtype:
         # The kernels read query and cache in one dtype; a silent cast per layer would hide a slowdown.
@@ -213,10 +227,14 @@ class ModelRunner(Executor):
         self.graphs = self._decode_graphs(cuda_graphs)
 
     def _decode_graphs(self, config: CudaGraphConfig | None) -> DecodeGraphs | None:
-        """Graphs need a GPU and one static forward: kvpage's own, without Mistral's window check."""
-        # Several KV-cache groups run eagerly: the graphs' buffers hold one group's tables.
+        """Graphs need a GPU and one static forward: kvpage's own, without Mistral's window check. The same
+        rule at every tensor-parallel size: each rank captures the same buckets in the same order, so the
+        all-reduces inside the graphs pair up."""
+        # Run eagerly: several KV-cache groups (the graphs' buffers hold one group's tables) and decode context
+        # parallelism (its per-step localize makes tensors shaped by the step, not by a bucket).
         if (config is None or self.device.type != "cuda" or not isinstance(self.forward, LlamaForward)
-                or getattr(self.forward, "sliding_window", None) is not None or self.layout.num_groups > 1):
+                or self.forward.sliding_window is not None or self.layout.num_groups > 1
+                or self.context_parallel is not None):
             return None
         return DecodeGraphs(self.forward, self.kv_caches, config.max_num_seqs, config.max_model_len,
                             self.block_size, self.device)
@@ -236,6 +254,9 @@ class ModelRunner(Executor):
     def kv_cache_bytes_per_rank(self) -> list[int]:
         return [sum(t.numel() * t.element_size() for kv in self.kv_cache_pairs for t in kv)]
 
+    def local_kv_caches(self) -> list[torch.Tensor]:
+        return _flat(self.kv_cache_pairs)
+
     def num_blocks_for_memory(self, gib: float) -> int:
         return num_blocks_for_memory(self.config, gib, self.block_size, self.cache_dtype, self.layout)
 
@@ -245,43 +266,31 @@ class ModelRunner(Executor):
 
     # -- one step ------------------------------------------------------------------------------
 
-    def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Run a step; float32 logits [num sequences with do_sample, vocab], in batch order, followed by
-        the rows of each sequence's prompt_logit_positions, if any (kvpage.core.logits_rows)."""
-        # A with-block, not the decorator: one Python frame less on every step (docs/internals.md).
+    def execute(self, step) -> torch.Tensor:
+        """Run one step: a SchedulerOutput or ModelInput (packed here), or a step_inputs.Step a tensor-parallel
+        rank unpacked from the driver's broadcast. Returns float32 logits [num sequences with do_sample, vocab]
+        in step order, then the rows of each sequence's prompt_logit_positions (kvpage.core.logits_rows); a
+        sharded LM head's rank-local part on tensor-parallel ranks other than 0."""
+        # A with-block, not the decorator, and the forward called from here: the fewest Python frames per step
+        # (docs/internals.md).
         with torch.inference_mode():
-            self._move_blocks(batch)
-            if not batch.scheduled:
+            if not isinstance(step, Step):
+                step = unpack_payload(*pack_payload(step, self.block_size, self.device.type == "cuda"), self.device)
+            self._move_blocks(step.blocks)
+            metadata = step.metadata
+            if metadata is None:
                 return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-            sizes, payload = pack_payload(batch, self.block_size, pin_memory=self.device.type == "cuda")
-            step = unpack_payload(sizes, payload, self.device)
-            self._set_layer_groups(step.metadata)
-            if self.graphs is not None and self.graphs.fits(step.metadata):
-                hidden = self.graphs(step.input_ids, step.positions, step.metadata)
+            self._set_layer_groups(metadata)
+            if self.context_parallel is not None:
+                metadata = self.context_parallel.localize(metadata, step.positions)
+            if self.graphs is not None and self.graphs.fits(metadata):
+                hidden = self.graphs(step.input_ids, step.positions, metadata)
             else:
-                hidden = self.forward(step.input_ids, step.positions, step.metadata, self.kv_caches)
-            if not sizes.num_sampled:
+                hidden = self.forward(step.input_ids, step.positions, metadata, self.kv_caches)
+            if not step.sample_rows.numel():  # the same on every rank: the broadcast header carries the count
                 return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
             # Only the rows asked for go through the vocab projection: [num_sampled, vocab], not [T, vocab].
             return self.forward.compute_logits(hidden.index_select(0, step.sample_rows)).float()
-
-    @torch.inference_mode()
-    def execute_prepared(self, blocks: ModelInput, input_ids: torch.Tensor, positions: torch.Tensor,
-                         metadata: AttentionMetadata | None, sample_rows: torch.Tensor) -> torch.Tensor | None:
-        """execute() for a step whose flat batch is already built: tensor-parallel ranks unpack it from the
-        driver's broadcast (kvpage.distributed.protocol). blocks: only its swap / copy pairs are read.
-        input_ids / positions: [T]. Returns the LM head's output for sample_rows ([R, vocab] float32; a
-        sharded head's rank-local part on ranks other than 0), or None when nothing is sampled."""
-        self._move_blocks(blocks)
-        if metadata is None:
-            return None
-        self._set_layer_groups(metadata)
-        if self.context_parallel is not None:
-            metadata = self.context_parallel.localize(metadata, positions)
-        hidden = self.forward(input_ids, positions, metadata, self.kv_caches)
-        if sample_rows.numel() == 0:  # the same on every rank: the header carries the count
-            return None
-        return self.forward.compute_logits(hidden.index_select(0, sample_rows)).float()
 
     def _set_layer_groups(self, metadata: AttentionMetadata) -> None:
         """Tell a step's metadata which group each layer reads (AttentionMetadata.for_layer); a step must

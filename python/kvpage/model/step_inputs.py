@@ -1,17 +1,10 @@
-"""One step's inputs, from the scheduler's sequences to the tensors the forward reads.
-
-Every step is flattened into ONE int32 payload, back to back:
-    token_ids[T] positions[T] slot_mapping[T] sample_rows[R]     (read as int64)
-    query_start_loc[S+1] seq_lens[S] block_tables[S*W]         (read as int32)
-    swap_out[2*A] swap_in[2*B] copy[2*C]                       (read on the host)
-T tokens, S sequences, W the widest block table (shorter ones padded with 0), R rows whose logits are
-kept (sampled, then prompt_logprobs' rows: kvpage.core.scheduler_output.logits_rows), A/B/C block
-pairs. A hybrid KV cache of G > 1 groups (kvpage.core.kv_cache_groups) carries every group's slots and
-tables, group after group: slot_mapping[G*T] and block_tables[G*S*W] (group 0 first, the fields a
-one-group step has); one group costs nothing extra. On a GPU the payload is built in pinned memory and reaches the device in one asynchronous copy
-(seven separate tensors would be seven synchronous ones); the forward reads views into it, the int64
-fields through one conversion of their leading run. The tensor-parallel broadcast sends the same
-payload to every rank (kvpage.distributed.protocol).
+"""One step's inputs, from the scheduler's sequences to the tensors the forward reads: ONE int32 payload,
+    token_ids[T] positions[T] slot_mapping[G*T] sample_rows[R]    (read as int64)
+    query_start_loc[S+1] seq_lens[S] block_tables[G*S*W]        (read as int32)
+    swap_out[2*A] swap_in[2*B] copy[2*C]                        (read on the host)
+T tokens, S sequences, W the widest block table (0-padded), R rows whose logits are kept
+(kvpage.core.scheduler_output.logits_rows), G KV-cache groups (group 0 first), A/B/C block pairs. One
+host-to-device copy (from pinned memory on a GPU); the tensor-parallel broadcast sends the same payload.
 """
 from __future__ import annotations
 
@@ -173,8 +166,7 @@ def _payload(batch, tokens, positions, slots: list[list[int]], starts, seq_lens,
     moves = [[x for pair in pairs for x in pair]
              for pairs in (batch.blocks_to_swap_out, batch.blocks_to_swap_in, batch.blocks_to_copy)]
     starts = starts if seqs else []  # no sequence, no query_start_loc (PayloadSizes: S + 1 or 0)
-    # An int32 array takes a Python list several times faster than torch.tensor (about 60 vs 200 ns per
-    # int; a hybrid model's tables are G times one group's), and the tensor is a view of its buffer.
+    # An int32 array takes a Python list faster than torch.tensor does, and the tensor is a view of its buffer.
     flat = array.array("i")
     try:
         for part in (tokens, positions, *slots, sample_rows, starts, seq_lens, *tables, *moves):
