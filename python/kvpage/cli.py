@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvpage.engine.arg_utils import add_engine_args, engine_kwargs
+from kvpage.engine.arg_utils import add_engine_args, engine_kwargs, engine_options, with_defaults
 
 # Ollama's default: it keeps the 135M default model from looping and from repeating its previous answer
 # in a conversation (HF generate loops the same way at 1.0). vLLM's default, 1.0, turns it off.
@@ -171,12 +171,13 @@ def cmd_plan(args) -> None:
     from kvpage import costmodel
 
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4, None: None}[args.dtype]
+    o = with_defaults(engine_options("plan", engine_kwargs(args)))  # the engine's flags, with the engine's defaults
     workload = costmodel.Workload(
-        context_len=args.context, block_size=args.block_size, mean_len=args.mean_len,
+        context_len=args.context, block_size=o.block_size, mean_len=args.mean_len,
         memory_utilization=args.memory_utilization, dtype_bytes=dtype_bytes, prefix_requests=args.prefix_requests,
-        prefix_shared_tokens=args.prefix_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tensor_parallel_size, decode_context_parallel_size=args.decode_context_parallel_size,
-        dcp_kv_cache_interleave_size=args.dcp_kv_cache_interleave_size, decode_batch_size=args.decode_batch_size)
+        prefix_shared_tokens=args.prefix_tokens, max_num_batched_tokens=o.max_num_batched_tokens,
+        tensor_parallel_size=o.tensor_parallel_size, decode_context_parallel_size=o.decode_context_parallel_size,
+        dcp_kv_cache_interleave_size=o.dcp_kv_cache_interleave_size, decode_batch_size=args.decode_batch_size)
     print(costmodel.plan_text(costmodel.get_model(args.model), costmodel.get_device(args.device), workload))
 
 
@@ -253,17 +254,12 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="KV and weights dtype (default: bf16 on GPUs, fp32 on 'this')")
     p.add_argument("--context", type=int, default=8192, help="context length reserved per sequence")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--mean-len", type=float, default=500.0, help="mean tokens per sequence under paging")
     p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of device memory for KV")
     p.add_argument("--prefix-requests", type=int, default=50, help="requests sharing one system prompt")
     p.add_argument("--prefix-tokens", type=int, default=2000, help="shared system-prompt tokens")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one step may compute")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs splitting each layer's heads")
-    p.add_argument("--decode-context-parallel-size", type=int, default=1,
-                   help="ranks splitting each sequence's positions (divides the TP size, at most TP / KV heads)")
-    p.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1,
-                   help="consecutive positions per DCP rank (divides --block-size)")
+    add_engine_args(p, only=("block_size", "max_num_batched_tokens", "tensor_parallel_size",
+                             "decode_context_parallel_size", "dcp_kv_cache_interleave_size"))
     p.add_argument("--decode-batch-size", type=int, default=1, help="decode tokens per step, for DCP's bytes moved")
 
 

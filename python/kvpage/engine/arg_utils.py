@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 
 from kvpage.spec_decode.config import speculative_config_arg  # [spec decode] pure Python
 
@@ -121,6 +121,16 @@ def engine_options(caller: str, kwargs: dict) -> EngineOptions:
     return EngineOptions(**kwargs)
 
 
+# The constant each None default above stands for (the other None defaults are chosen from the model or machine).
+FALLBACKS = {"max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS, "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
+             "swap_space_gib": DEFAULT_SWAP_SPACE_GIB}
+
+
+def with_defaults(options: EngineOptions) -> EngineOptions:
+    """options with FALLBACKS in place of None: the one place those defaults are applied."""
+    return replace(options, **{name: value for name, value in FALLBACKS.items() if getattr(options, name) is None})
+
+
 def engine_signature(first: str, *extra: inspect.Parameter) -> inspect.Signature:
     """The signature of a method taking every engine option as a keyword (the option named first also by
     position), then the extra parameters: what help() and IDEs show for LLM(...)."""
@@ -130,10 +140,11 @@ def engine_signature(first: str, *extra: inspect.Parameter) -> inspect.Signature
     return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params, *extra])
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """The engine's flags on a command's parser (the options named in skip left out: a command whose own
-    flag has that name, or serve's positional MODEL)."""
-    options = [option for option in ENGINE_OPTIONS if option.name not in skip]
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+                    ) -> None:
+    """The engine's flags on a command's parser: the options named in only (None: all), less those in skip (a
+    command whose own flag has that name, or serve's positional MODEL)."""
+    options = [option for option in ENGINE_OPTIONS if option.name not in skip and (only is None or option.name in only)]
     parser.set_defaults(engine_options=tuple(option.name for option in options))
     for option in options:
         if option.type is bool:

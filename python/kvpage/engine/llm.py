@@ -15,8 +15,8 @@ from kvpage.core.policies import check_preemption_mode
 from kvpage.kv_offload import check_offloading_options
 from kvpage.spec_decode import parse_speculative_config
 
-from .arg_utils import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SWAP_SPACE_GIB, EngineOptions,
-                        engine_options, engine_signature)
+from .arg_utils import EngineOptions, engine_options, engine_signature, with_defaults
+from .executor_base import Executor
 from .generation_defaults import describe as describe_sampling_defaults
 from .generation_defaults import model_sampling_defaults
 from .llm_engine import EngineConfig, LLMEngine
@@ -36,55 +36,26 @@ GPU_KV_CACHE_FRACTION = 0.5
 
 class LLM:
     def __init__(self, model=None, *, tokenizer=None, **options) -> None:
-        """kv_cache_dtype: "auto" (the model's dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn K/V with
-        scales of 1.0: four times the tokens per GiB of a float32 cache, not token-identical), or
-        "bfloat16" / "float16" for a float32 model on CPU (K/V rounded to 16 bits, attention in float32:
-        twice the tokens per GiB, half the bytes decode attention reads; not token-identical either).
-        weight_dtype: "auto" (the weights as loaded), or "bfloat16" / "float16" for a float32 model on
-        CPU: every weight rounded to 16 bits in place (a model object passed in too), the linear layers
-        stored in 16 bits and computed in float32, so a small batch's decode step, bound by streaming
-        the weights, reads half the bytes; greedy output is HF generate's on the rounded weights.
-        matmul_precision: "highest" (float32 arithmetic) or "medium" (torch's name: the linear layers
-        may compute in bf16: weights and inputs rounded to bf16, bf16 dot products with float32 sums,
-        twice the multiply-adds per instruction, where the CPU has AVX512-BF16; not token-identical).
-        max_logprobs (vLLM's): the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
-        max_model_len (vLLM's): the context limit (prompt + output), at most the model's own; None: the model's.
-        enforce_eager (vLLM's): no CUDA graphs; on a GPU, decode steps of kvpage's own forward otherwise
-        replay a graph captured per batch-size bucket (kvpage.model.cuda_graphs).
-        decode_context_parallel_size (vLLM's, D): where tensor_parallel_size exceeds the model's KV heads,
-        the D ranks holding the same KV heads each keep every D-th run of dcp_kv_cache_interleave_size
-        positions instead of a copy of all of them: D times the tokens in the same per-rank KV budget
-        (kvpage.core.context_parallel; block_size stays a rank's block, the scheduler's is D times it).
-        kv_offloading_size / kv_offloading_dir (vLLM's names; kvpage.kv_offload): a second KV tier behind the
-        prefix cache, taking the blocks its LRU evicts and giving them back (loaded, not recomputed) to later
-        prompts: files under kv_offloading_dir (kv_offloading_size GiB of them, default 4), which a new
-        process with the same model finds warm; without a directory, kv_offloading_size GiB of host memory.
-        Calls from several threads are safe: they run one at a time."""
-        o = engine_options("LLM", {"model": model, **options})
+        """vLLM's LLM. Every keyword but tokenizer is an engine option declared once, with its default and what
+        it does, in kvpage.engine.arg_utils.ENGINE_OPTIONS (`kvpage generate --help` lists them). Calls from
+        several threads are safe: they run one at a time."""
+        o = with_defaults(engine_options("LLM", {"model": model, **options}))
         cache_dtype, weight_dtype = _check_options(o)  # everything checkable, before the model loads (seconds)
         seed, tokenizer = resolve_seed(o.seed), resolve_tokenizer(tokenizer)
         self._load_model(o, tokenizer, cache_dtype, weight_dtype)
         self.tensor_parallel_size = o.tensor_parallel_size
         self.decode_context_parallel_size = o.decode_context_parallel_size
-        swap_gib = 0.0
-        if o.preemption_mode != "recompute":
-            swap_gib = DEFAULT_SWAP_SPACE_GIB if o.swap_space_gib is None else o.swap_space_gib
-        if o.tensor_parallel_size > 1:
-            # self.runner: the driver of N ranks (kvpage.distributed), self.model: rank 0's shard.
-            self.runner = self._start_tensor_parallel(o, swap_gib, weight_dtype)
-            self.model = self.runner.model
-        else:
-            self.runner = self._start_runner(o, swap_gib, weight_dtype)
+        self.runner = self._start_executor(o, weight_dtype)
         # Under DCP one block id holds block_size tokens on each of the group's D ranks.
+        block_size = o.block_size * o.decode_context_parallel_size
         self.llm_engine = LLMEngine(self.runner, self.tokenizer, EngineConfig(
-            num_kv_blocks=self.runner.num_kv_blocks, block_size=o.block_size * o.decode_context_parallel_size,
-            num_host_blocks=self.runner.num_host_blocks, enable_prefix_caching=o.enable_prefix_caching,
-            max_num_batched_tokens=o.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=o.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=self.context_limit,
-            preemption_mode=o.preemption_mode, eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed,
-            max_logprobs=o.max_logprobs, kv_cache_layout=self.kv_cache_layout,
-            kv_offloading_size=o.kv_offloading_size, kv_offloading_dir=o.kv_offloading_dir))
-        self._log_kv_cache(o.block_size * o.decode_context_parallel_size)
+            num_kv_blocks=self.runner.num_kv_blocks, block_size=block_size, num_host_blocks=self.runner.num_host_blocks,
+            enable_prefix_caching=o.enable_prefix_caching, max_num_batched_tokens=o.max_num_batched_tokens,
+            max_num_seqs=o.max_num_seqs, max_model_len=self.context_limit, preemption_mode=o.preemption_mode,
+            eos_token_ids=eos_token_ids(self.model, self.tokenizer), seed=seed, max_logprobs=o.max_logprobs,
+            kv_cache_layout=self.kv_cache_layout, kv_offloading_size=o.kv_offloading_size,
+            kv_offloading_dir=o.kv_offloading_dir))
+        self._log_kv_cache(block_size)
         self.llm_engine.attach_spec_decode(o.speculative_config)  # [spec decode] None: no speculation
         self._counter = itertools.count()
         # One call at a time owns the engine: a second thread waits rather than stepping into its state.
@@ -98,14 +69,13 @@ class LLM:
         """The model and tokenizer, with the dtypes checked against the model, and what its config fixes:
         the KV-cache groups, the context limit, tensor / decode context parallelism's head split."""
         from kvpage.model import load_model
-        from kvpage.model.runner import check_cache_dtype, check_matmul_precision, check_weight_dtype, model_kv_cache_layout
+        from kvpage.model.runner import check_dtypes, model_kv_cache_layout
 
         self.model, loaded_tokenizer = load_model(o.model, dtype=resolve_dtype(o.dtype))
-        device = next(self.model.parameters()).device
-        check_weight_dtype(weight_dtype, self.model.dtype, device)
-        check_matmul_precision(o.matmul_precision, self.model.dtype, device)
         self.kv_cache_dtype = cache_dtype or self.model.dtype
-        check_cache_dtype(self.kv_cache_dtype, self.model.dtype, device)
+        # Here, not only in each rank's ModelRunner: a tensor-parallel rank's error would not reach the caller.
+        check_dtypes(self.model.dtype, next(self.model.parameters()).device, self.kv_cache_dtype, weight_dtype,
+                     o.matmul_precision)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.default_sampling_fields = model_sampling_defaults(self.model, embedded=o.model is None)
         logger.info("kvpage: %s", describe_sampling_defaults(self.default_sampling_fields))
@@ -122,18 +92,29 @@ class LLM:
                                config.num_attention_heads,
                                getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
-    def _start_runner(self, o: EngineOptions, swap_gib: float, weight_dtype):
+    def _start_executor(self, o: EngineOptions, weight_dtype) -> Executor:
+        """This process's ModelRunner, or the driver of N tensor-parallel ranks (self.model then rank 0's shard);
+        the same decode CUDA graphs either way unless enforce_eager (kvpage.model.cuda_graphs)."""
+        from kvpage.model.cuda_graphs import CudaGraphConfig
+
+        swap_gib = 0.0 if o.preemption_mode == "recompute" else o.swap_space_gib
+        graphs = None
+        if not o.enforce_eager and self.context_limit is not None:
+            graphs = CudaGraphConfig(o.max_num_seqs, self.context_limit)
+        if o.tensor_parallel_size == 1:
+            return self._start_runner(o, swap_gib, weight_dtype, graphs)
+        executor = self._start_tensor_parallel(o, swap_gib, weight_dtype, graphs)
+        self.model = executor.model
+        return executor
+
+    def _start_runner(self, o: EngineOptions, swap_gib: float, weight_dtype, graphs):
         """This process's ModelRunner, its pools sized from num_kv_blocks or the memory budget."""
         from kvpage.model import ModelRunner
-        from kvpage.model.cuda_graphs import CudaGraphConfig
 
         num_kv_blocks = o.num_kv_blocks or self._blocks_for_budget(o.block_size)
         num_host_blocks = (_blocks_for(self.model.config, swap_gib, o.block_size, self.kv_cache_dtype,
                                        self.kv_cache_layout) if swap_gib else 0)
         self._check_kv_memory(num_kv_blocks, num_host_blocks, o.block_size)
-        graphs = None
-        if not o.enforce_eager and self.context_limit is not None:
-            graphs = CudaGraphConfig(o.max_num_seqs or DEFAULT_MAX_NUM_SEQS, self.context_limit)
         return ModelRunner(self.model, num_kv_blocks, o.block_size, self.model.dtype, num_host_blocks,
                            kv_cache_dtype=self.kv_cache_dtype, weight_dtype=weight_dtype,
                            matmul_precision=o.matmul_precision, cuda_graphs=graphs, kv_cache_layout=self.kv_cache_layout)
@@ -175,7 +156,7 @@ class LLM:
             gib = CPU_KV_CACHE_GIB
         return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
 
-    def _start_tensor_parallel(self, o: EngineOptions, swap_gib: float, weight_dtype):
+    def _start_tensor_parallel(self, o: EngineOptions, swap_gib: float, weight_dtype, graphs):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
         and the block count is what the rank with the largest share fits (num_kv_blocks, if given, is used
         as is). Under torchrun, ranks other than 0 serve inside launch() and exit the process there."""
@@ -190,7 +171,8 @@ class LLM:
                 gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
                 num_kv_blocks = int(gib * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
-                              weight_dtype, o.matmul_precision, o.dcp_kv_cache_interleave_size, self.kv_cache_layout)
+                              weight_dtype, o.matmul_precision, o.dcp_kv_cache_interleave_size, self.kv_cache_layout,
+                              graphs)
         except BaseException:
             executor.shutdown()
             raise
@@ -241,20 +223,31 @@ class LLM:
         return self._run([PromptItem(t, i, sp) for (t, i), sp in zip(prompts, params)], use_tqdm)
 
     def _run(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every prompt, then step until each has finished (the step loop is here, not a helper: one
+        Python frame less on every step, docs/internals.md)."""
         self.runner.check_open()  # a failed or shut-down tensor-parallel LLM says so before anything runs
         self._settle()
+        engine, results, progress = self.llm_engine, {}, None
         # Filled by _add_all as it queues, so a failure anywhere withdraws them all (here, or next call).
         ids: list[str] = []
         self._unfinished_call = ids
         try:
             self._add_all(items, ids)
-            results = self._drain(len(ids), use_tqdm)
+            progress = _Progress(len(ids), use_tqdm)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        progress.update(out)
         except BaseException:
             # A failed step (the engine has already discarded it) or a KeyboardInterrupt: withdraw this
             # call's requests, freeing their blocks, so the LLM goes on exactly as before this call.
             with deferred_interrupts():
-                self.llm_engine.abort_request(ids)
+                engine.abort_request(ids)
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         self._unfinished_call = []
         return [results[rid] for rid in ids]
 
@@ -265,27 +258,6 @@ class LLM:
             self.llm_engine.abort_request(self._unfinished_call)
             self._unfinished_call = []
         self.llm_engine.settle()
-
-    def _drain(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Step until the engine is idle; the final output of every request that finished."""
-        engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
-        bar = _progress(num_requests, use_tqdm)
-        start, generated = time.perf_counter(), 0
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        generated += sum(len(c.token_ids) for c in out.outputs)
-                        if bar is not None:
-                            bar.update(1)
-                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
-                                                refresh=False)
-        finally:
-            if bar is not None:
-                bar.close()
-        return results
 
     def _add_all(self, items: list, ids: list[str]) -> None:
         """Check and queue every prompt (beam search ones too: the scheduler batches them with the
@@ -361,13 +333,9 @@ def _check_options(o: EngineOptions) -> tuple:
     check_offloading_options(o.kv_offloading_size, o.kv_offloading_dir, o.tensor_parallel_size)  # [kv tier]
     check_preemption_mode(o.preemption_mode)
     parse_speculative_config(o.speculative_config)  # [spec decode] a bad config's key named before the model loads
-    from kvpage.model import kv_cache_dtype_from_name, weight_dtype_from_name  # torch: when an LLM is built
-    from kvpage.model.runner import MATMUL_PRECISIONS
+    from kvpage.model.runner import dtypes_from_names  # torch: when an LLM is built
 
-    dtypes = kv_cache_dtype_from_name(o.kv_cache_dtype), weight_dtype_from_name(o.weight_dtype)
-    if o.matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {o.matmul_precision!r}")
-    return dtypes
+    return dtypes_from_names(o.kv_cache_dtype, o.weight_dtype, o.matmul_precision)
 
 
 def _check_optional_positive(name: str, value) -> None:
@@ -390,8 +358,24 @@ def _blocks_for(config, gib: float, block_size: int, dtype, layout) -> int:
     return num_blocks_for_memory(config, gib, block_size, dtype, layout)
 
 
-def _progress(total: int, use_tqdm: bool):
-    if not use_tqdm or total == 0:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+class _Progress:
+    """generate()'s progress bar (tqdm, on stderr), requests finished and output tokens per second; nothing
+    without use_tqdm."""
+
+    def __init__(self, total: int, use_tqdm: bool) -> None:
+        self.bar = None
+        if use_tqdm and total:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.start, self.generated = time.perf_counter(), 0
+
+    def update(self, out: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.generated += sum(len(c.token_ids) for c in out.outputs)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{self.generated / (time.perf_counter() - self.start):.1f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
