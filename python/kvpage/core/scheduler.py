@@ -475,7 +475,7 @@ class Scheduler:
         if start < seq.num_prompt_tokens:
             # After the slot mapping: sequences admitted later in this step hit these blocks (a
             # shared system prompt is computed once, and every request sharing it starts now).
-            self.bm.note_computing(seq, start, end)
+            self.bm.note_computing(seq, start, end - len(spec))  # [spec decode] real tokens only
         self._scheduled.add(request.request_id)
         self._scheduled_seqs.add(seq.seq_id)
         if request.first_scheduled_step < 0:

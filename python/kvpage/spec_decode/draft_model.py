@@ -53,14 +53,14 @@ class DraftModelProposer:
         keep = min(keep, len(tokens) - 1)  # at least the last token runs, for its logits
         if state is None or keep == 0:
             state = self._states[seq.seq_id] = _DraftState(DynamicCache())
-        else:
-            state.cache.crop(keep)
+        elif keep < state.cache.get_seq_length():
+            state.cache.crop(keep - state.cache.get_seq_length())  # a negative count: tokens to remove
         device = next(self.model.parameters()).device
         feed = tokens[keep:]
         drafts = []
         for _ in range(k):
             ids = torch.tensor([feed], device=device)
-            logits = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True).logits
+            logits = self.model(input_ids=ids, cache=state.cache, use_cache=True, logits_to_keep=1).logits
             drafts.append(int(logits[0, -1].argmax()))
             feed = [drafts[-1]]
         state.tokens = list(tokens) + drafts[:-1]
