@@ -15,6 +15,7 @@ logits, before any of that (vLLM's default, raw logprobs).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,21 @@ class SamplerOutput:
     top_logprobs: list[list[TopLogprobs | None]] | None = None
 
 
+@contextlib.contextmanager
+def _sampled_read(device: torch.device):
+    """Reading the sampled results back to the host: the one device sync a step makes, allowed even under
+    torch.cuda.set_sync_debug_mode("error") (tests/cuda/test_step_syncs.py), which catches any other."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         # Unseeded requests draw from one engine-wide stream: reproducible for a given workload.
@@ -100,10 +116,13 @@ class Sampler:
             # One fused pass: argmax and its log-softmax (argmax + gather + logsumexp otherwise), where the
             # logits are: from a GPU only [rows] tokens and logprobs come back, not [rows, vocab] logits.
             tokens, logprobs = greedy_sample(logits)
-            return _regroup(tokens.tolist(), logprobs.tolist(), rows)
+            with _sampled_read(logits.device):
+                tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            return _regroup(tokens, logprobs, rows)
         # Everything else (processors, seeded generators, top-k/top-p) runs on the CPU, whose generators
         # draw the same noise whatever device produced the logits.
-        logits = logits.cpu()
+        with _sampled_read(logits.device):
+            logits = logits.cpu()
         tokens = self._sample(logits, flat, greedy)
         logprobs, top = _logprobs(logits, tokens, [row for row, _ in flat])
         return _regroup(tokens.tolist(), logprobs, rows, top)
