@@ -142,10 +142,16 @@ def start_server(name: str, argv, env: dict, log_dir: Path, timeout_s: float = 6
     raise RuntimeError(f"{name} did not come up in {timeout_s:.0f} s: {log.read_text()[-2000:]}")
 
 
-def start_kvpage(model_dir: Path, log_dir: Path) -> Server:
+KVPAGE = "kvpage serve"
+# --engine-core: where `kvpage serve` runs its engine core; the process core is the report's "kvpage serve".
+SERVER_NAMES = {"process": KVPAGE, "inprocess": "kvpage serve in-process core"}
+
+
+def start_kvpage(model_dir: Path, log_dir: Path, engine_core: str = "process") -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-    return start_server("kvpage serve", lambda port: [sys.executable, "-m", "kvpage", "serve", str(model_dir),
-                                                      "--port", str(port), "--served-model-name", MODEL_NAME],
+    return start_server(SERVER_NAMES[engine_core],
+                        lambda port: [sys.executable, "-m", "kvpage", "serve", str(model_dir), "--port", str(port),
+                                      "--served-model-name", MODEL_NAME, "--engine-core", engine_core],
                         env, log_dir)
 
 
@@ -223,13 +229,13 @@ def _timed(server: Server, prompts: list, output_len: int, rate: float | None = 
 
 
 def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool, levels: list[int],
-               rate: float | None = None) -> dict:
+               rate: float | None = None, engine_cores: tuple[str, ...] = ("process",)) -> dict:
     """Offline and the saturated servers in turns, then the servers at half the slower one's request rate."""
     llm = kvpage.LLM(model=str(model_dir))
     servers, skipped, log_dir = [], None, RESULTS_DIR / "serve_logs"  # the servers' logs stay for a post-mortem
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        servers.append(start_kvpage(model_dir, log_dir))
+        servers += [start_kvpage(model_dir, log_dir, core) for core in engine_cores]
         if with_vllm:
             try:
                 servers.append(start_vllm(model_dir, log_dir))
@@ -257,9 +263,14 @@ def _saturated(llm, servers: list[Server], requests, output_len: int, rounds: in
 
 def _saturation_level(offline: list[dict], saturation: dict) -> dict:
     """One level's medians and ratios: issue 47's targets are kvpage serve >= 0.95x offline, >= 1.2x vllm serve."""
-    kv, vl = "kvpage serve", "vllm serve"
+    kv, vl = KVPAGE, "vllm serve"
     level = {"offline": median_run(offline), "server": median_run(saturation[kv]),
              **_ratios("server_vs_offline", saturation[kv], offline, "output_tok_s")}
+    inproc = SERVER_NAMES["inprocess"]
+    if inproc in saturation:  # the engine core on a thread of the server's process: what the split buys
+        level["server_inprocess"] = median_run(saturation[inproc])
+        level.update(_ratios("server_inprocess_vs_offline", saturation[inproc], offline, "output_tok_s"))
+        level.update(_ratios("server_vs_server_inprocess", saturation[kv], saturation[inproc], "output_tok_s"))
     if vl in saturation:
         level["vllm_serve"] = median_run(saturation[vl])
         level.update(_ratios("kvpage_vs_vllm_output_tok_s", saturation[kv], saturation[vl], "output_tok_s"))
@@ -285,7 +296,7 @@ def _rounds(llm, servers: list[Server], requests, output_len: int, rounds: int, 
         prompts = requests(seed=500 + r, num=levels[0])
         for server in _turns(servers, r):
             moderate[server.name].append({**_timed(server, prompts, output_len, rate), "request_rate": rate})
-    kv = "kvpage serve"
+    kv = KVPAGE
     res = {"offline": median_run(offline),
            "server": {"saturation": median_run(saturation[kv]), "moderate": median_run(moderate[kv], "ttft_p50_s")},
            **_ratios("server_vs_offline", saturation[kv], offline, "output_tok_s"),
@@ -344,6 +355,9 @@ def report(res: dict, name: str) -> None:
         line = f"{n} at once: kvpage serve / offline output tok/s {_rounds_text(level, 'server_vs_offline')}"
         if "vllm_serve" in level:
             line += f"; kvpage serve / vllm serve {_rounds_text(level, 'kvpage_vs_vllm_output_tok_s')}"
+        if "server_inprocess" in level:
+            line += (f"; in-process core / offline {_rounds_text(level, 'server_inprocess_vs_offline')}; process"
+                     f" / in-process core {_rounds_text(level, 'server_vs_server_inprocess')}")
         print(line, "(targets >= 0.95x offline, >= 1.2x vllm serve)")
     if "vllm_serve" in res:
         print("kvpage serve / vllm serve output tok/s at saturation:", _rounds_text(res, "kvpage_vs_vllm_output_tok_s"),
@@ -400,9 +414,14 @@ def main() -> dict:
     parser.add_argument("--request-rate", type=float, default=None,
                         help="the Poisson rate (req/s) of the moderate runs (issue 47: 4); default: half the slower"
                              " server's saturated request rate")
+    parser.add_argument("--engine-core", default="process",
+                        help="comma-separated `kvpage serve --engine-core` modes to run, each a server of its own"
+                             " (process,inprocess: both, alternating; the first is the report's kvpage serve)")
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
+    if "process" not in args.engine_core.split(","):
+        parser.error("--engine-core must include process (the report's kvpage serve)")
     with_vllm = args.vllm and vllm_launcher.available()
     if args.vllm and not with_vllm:
         print(f"vllm serve skipped: no vLLM venv at {vllm_launcher.vllm_python().parent.parent}:"
@@ -421,7 +440,8 @@ def main() -> dict:
                             "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct"},
                "machine": machine_info()}
         res.update(run_rounds(model_dir, lambda seed, num: requests_for(tok, num, input_len, seed), output_len,
-                              args.rounds or (1 if args.quick else ROUNDS), with_vllm, levels, args.request_rate))
+                              args.rounds or (1 if args.quick else ROUNDS), with_vllm, levels, args.request_rate,
+                              tuple(args.engine_core.split(","))))
     report(res, "serve_quick" if args.quick else "serve")
     return res
 

@@ -197,17 +197,24 @@ def run_engine_core(model, options: dict, inputs, outputs) -> None:
     reader.start()
     writer.start()
     core = EngineCore(llm.llm_engine, outbox.put)
-    try:
-        core.run(inbox)
-    except BaseException:  # noqa: B036 (its last batch told the server why)
-        code = 1
-    else:
-        code = 0
-    finally:
-        outbox.put(None)
-        writer.join()
+    codes = []
+
+    def serve() -> None:
+        try:
+            core.run(inbox)
+        except BaseException:  # noqa: B036 (its last batch told the server why)
+            codes.append(1)
+        finally:
+            outbox.put(None)
+    # On a thread of its own, not the process' main thread: on the shared 2-core VM, steps issued from a
+    # process' main thread ran an order of magnitude slower than the same steps on a second thread (as
+    # offline generation did; see bench/serve.py's run_offline). The cause is not known.
+    loop = threading.Thread(target=serve, name="kvpage-engine-core")
+    loop.start()
+    loop.join()
+    writer.join()
     llm.shutdown()
-    sys.exit(code)
+    sys.exit(codes[0] if codes else 0)
 
 
 def _read_commands(inputs, inbox: queue.Queue) -> None:
