@@ -23,15 +23,15 @@ std::vector<std::string> available_isas();
 // are active and the CPU has AVX512-BF16 (linear_ops.cpp).
 bool bf16_dot_available();
 
-// Runs body(item, scratch) for item in [0, num_items) on torch's intra-op threads; a body taking a
-// third argument also gets the item's RunPosition (decode attention prefetches the next item's
-// tiles when the same thread runs it). Items are handed
-// out a few at a time from a shared counter, so sequences of very different lengths still balance
-// across cores. One item at a time cost ~10% of a decode step (SmolLM2, 64 sequences: 192 items of
-// ~1 us per layer): every grab is a locked add on a line the other core just wrote. Runs of
-// num_items / (16 * workers) bound the imbalance to ~1/16 of a worker's share.
+// Runs body(first, last, scratch) over [0, num_items) in runs of consecutive items handed out from a
+// shared counter to torch's intra-op threads, so items of very different costs still balance across
+// cores, and a thread that starts late (a loaded machine: another process holds its core) finds the
+// others have taken its share instead of the whole op waiting for it to do half. One item at a time
+// cost ~10% of a decode step (SmolLM2, 64 sequences: 192 items of ~1 us per layer): every grab is a
+// locked add on a line the other core just wrote. Runs of num_items / (16 * workers) bound the
+// imbalance to ~1/16 of a worker's share.
 template <typename Body>
-void parallel_items(int64_t num_items, int64_t scratch_floats, const Body& body) {
+void parallel_runs(int64_t num_items, int64_t scratch_floats, const Body& body) {
   if (num_items <= 0) return;
   struct alignas(64) Counter {  // a cache line of its own: nothing else on it bounces with the counter
     std::atomic<int64_t> next{0};
@@ -42,14 +42,23 @@ void parallel_items(int64_t num_items, int64_t scratch_floats, const Body& body)
     std::vector<float> scratch(static_cast<size_t>(scratch_floats));
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t first = counter.next.fetch_add(run); first < num_items; first = counter.next.fetch_add(run)) {
-        const int64_t last = std::min(num_items, first + run);
-        for (int64_t i = first; i < last; ++i) {
-          if constexpr (std::is_invocable_v<const Body&, int64_t, float*, RunPosition>) {
-            body(i, scratch.data(), RunPosition{i > first, i + 1 < last});
-          } else {
-            body(i, scratch.data());
-          }
-        }
+        body(first, std::min(num_items, first + run), scratch.data());
+      }
+    }
+  });
+}
+
+// Runs body(item, scratch) for item in [0, num_items) as parallel_runs hands them out; a body taking a
+// third argument also gets the item's RunPosition (decode attention prefetches the next item's
+// tiles when the same thread runs it).
+template <typename Body>
+void parallel_items(int64_t num_items, int64_t scratch_floats, const Body& body) {
+  parallel_runs(num_items, scratch_floats, [&](int64_t first, int64_t last, float* scratch) {
+    for (int64_t i = first; i < last; ++i) {
+      if constexpr (std::is_invocable_v<const Body&, int64_t, float*, RunPosition>) {
+        body(i, scratch, RunPosition{i > first, i + 1 < last});
+      } else {
+        body(i, scratch);
       }
     }
   });

@@ -164,3 +164,22 @@ def test_bad_input_names_the_argument(call, match):
     packed = pack_linear_weight(torch.randn(40, 16))
     with pytest.raises((ValueError, TypeError), match=match):
         call(packed)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 130])
+def test_threads_share_the_slabs_without_changing_a_bit(cpu_isa, rows):
+    """Slabs go to threads in runs from a shared counter (csrc/cpu/dispatch.h parallel_runs): every
+    column is still computed whole by one thread, so any thread count gives the same bits (M = 1, a
+    pass's few rows and several row blocks; 41 slabs, the last one ragged)."""
+    w, x, b = torch.randn(1963, 77), torch.randn(rows, 77), torch.randn(1963)
+    packed = pack_linear_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = packed_linear(x, packed, 1963, b)
+        torch.set_num_threads(3)  # more threads than this machine's cores: runs interleave
+        shared = packed_linear(x, packed, 1963, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
+    _close(alone, reference.linear(x, w, b), 77)
