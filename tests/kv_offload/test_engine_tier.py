@@ -111,6 +111,29 @@ def test_loaded_blocks_hold_exactly_the_stored_bytes(base):
     assert worker.bytes_per_block == llm.runner.kv_cache_bytes_per_block()
 
 
+def test_block_bytes_the_same_through_numpy_and_torch(base):
+    """Behind a CPU pool the worker moves block bytes with numpy (no torch op per block); the torch path
+    (behind a device pool) lays them out identically: every cache tensor's slice of the block, in order."""
+    llm = engine(base, kv_offloading_size=0.05)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    worker = llm.llm_engine.runner
+    ids = [3, 0, 7]
+    fast = [bytes(row) for row in worker.read_blocks(ids)]
+    assert fast[0] == b"".join(t[3].contiguous().view(torch.uint8).numpy().tobytes() for t in worker._tensors)
+    views = worker._host_views
+    assert views is not None
+    worker._host_views = None  # the torch path
+    assert [bytes(row) for row in worker.read_blocks(ids)] == fast
+    worker.write_blocks([10, 11, 12], fast)
+    worker._host_views = views
+    assert [bytes(row) for row in worker.read_blocks([10, 11, 12])] == fast
+    worker.write_blocks([13, 14, 15], fast[::-1])
+    worker._host_views = None
+    assert [bytes(row) for row in worker.read_blocks([13, 14, 15])] == fast[::-1]
+    with pytest.raises(ValueError, match="payload"):
+        worker.write_blocks([1], [fast[0][:-1]])
+
+
 def test_restart_with_the_same_directory_starts_warm(base, reference, tmp_path):
     first = engine(base, kv_offloading_dir=str(tmp_path))
     first.generate(PROMPTS[:2], GREEDY, use_tqdm=False)

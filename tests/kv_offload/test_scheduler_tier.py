@@ -146,6 +146,37 @@ def test_no_tier_hit_after_preemption_counts_as_a_cache_hit():
     assert connector.loaded_blocks == 1 and connector.hit_tokens == 0
 
 
+@pytest.mark.parametrize("recompute_cheaper", [True, False])
+def test_the_cost_model_decides_load_or_recompute(recompute_cheaper):
+    """A tier hit is loaded unless the measured load costs more than the cost model's recompute."""
+    s, tier, connector = tiered_scheduler(12, 4, 0, 64, max_num_batched_tokens=64, max_num_seqs=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for i in range(2):
+        connector.tier.put(*_entry(prompt, i, 4))
+    connector.load_cost.add_read(1, 0.010)  # loads measured at 10 ms a block
+    connector.recompute_seconds = lambda num_tokens: num_tokens * (0.001 if recompute_cheaper else 0.1)
+    s.add_request("x", prompt, max_tokens=1)
+    out = s.schedule()
+    loads = out.kv_connector_meta.loads if out.kv_connector_meta is not None else []
+    assert len(loads) == (0 if recompute_cheaper else 2)
+    assert connector.declined_blocks == (2 if recompute_cheaper else 0)
+    assert out.num_batched_tokens == (9 if recompute_cheaper else 1)  # recomputed, or only the last token
+
+
+def test_recompute_pricer_trusts_only_a_measured_prefill_rate():
+    from kvpage.core.preemption_cost import MeasuredCostModel, PreemptionCostModel
+    from kvpage.kv_offload import recompute_pricer
+
+    measured = MeasuredCostModel()
+    price = recompute_pricer(measured)
+    assert price(16) is None  # nothing timed yet: the prior describes another machine
+    measured.record_step(10, 0.1)
+    measured.record_step(20, 0.2)
+    assert price(16) == pytest.approx(0.16)
+    fixed = PreemptionCostModel(prefill_tokens_per_s=100.0)
+    assert recompute_pricer(fixed)(16) == pytest.approx(0.16)
+
+
 def _entry(tokens, i, bs):
     from kvpage.core import Sequence
     from kvpage.kv_offload.connector import block_hash, block_key

@@ -9,12 +9,14 @@ from __future__ import annotations
 import atexit
 import weakref
 
+from kvpage.core.preemption_cost import MeasuredCostModel
+
 from .connector import KVConnectorBase, KVConnectorMeta, OffloadingConnector
 from .tiers import DiskTier, HostMemoryTier
 
 __all__ = ["DEFAULT_DISK_TIER_GIB", "DiskTier", "HostMemoryTier", "KVConnectorBase", "KVConnectorMeta",
            "OffloadingConnector", "attach_offloading", "check_offloading_options", "close_offloading",
-           "persist_cached_blocks"]
+           "persist_cached_blocks", "recompute_pricer"]
 
 # The disk tier's size when kv_offloading_dir is given without kv_offloading_size.
 DEFAULT_DISK_TIER_GIB = 4.0
@@ -61,12 +63,27 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
     else:
         tier = HostMemoryTier(capacity)
     worker = KVOffloadWorker(runner, tier)
-    connector = OffloadingConnector(tier, block_manager.block_size, save_now=worker.save)
+    connector = OffloadingConnector(tier, block_manager.block_size, save_now=worker.save,
+                                    recompute_seconds=recompute_pricer(scheduler.config.cost_model))
+    worker.load_cost = connector.load_cost
     block_manager.device.cache.on_evict = connector.on_evict
     scheduler.kv_connector = connector
     if isinstance(tier, DiskTier):
         _persist_at_exit(worker, connector, block_manager)
     return worker, connector
+
+
+def recompute_pricer(cost_model):
+    """recompute_seconds(num_tokens) for OffloadingConnector from the scheduler's cost model: a measured
+    model prices with its measured prefill rate only (None before a step was timed: its prior describes
+    another machine, so a load is not declined on its word); a fixed model (tests, benches) with its own."""
+    def recompute_seconds(num_tokens: int) -> float | None:
+        if isinstance(cost_model, MeasuredCostModel):
+            rate = cost_model.prefill_tokens_per_s
+            return num_tokens / rate if rate else None
+        return cost_model.recompute_cost(num_tokens)
+
+    return recompute_seconds
 
 
 def persist_cached_blocks(worker, connector, block_manager) -> int:

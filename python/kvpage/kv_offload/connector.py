@@ -18,7 +18,10 @@ the same methods; the scheduler does not change.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 from kvpage.core.hashing import ROOT_HASH, pack_tokens
 from kvpage.core.prefix_cache import BlockKey
@@ -63,13 +66,16 @@ class OffloadingConnector(KVConnectorBase):
     """A tier (kv_offload.tiers) behind the pool's prefix cache: evicted blocks are stored into it, and
     a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
 
-    def __init__(self, tier, block_size: int, save_now=None) -> None:
+    def __init__(self, tier, block_size: int, save_now=None, recompute_seconds=None) -> None:
         """save_now(stores): the worker's save, called right after a step committed with the blocks it
         filled (write-through: a process killed right after still leaves them in a disk tier). None: blocks
-        reach the tier only when the pool evicts them."""
+        reach the tier only when the pool evicts them. recompute_seconds(num_tokens): what prefilling them
+        would cost (the scheduler's cost model), against which a hit's load is priced; None: always load."""
         self.tier = tier
         self.block_size = block_size
         self.save_now = save_now
+        self.recompute_seconds = recompute_seconds
+        self.load_cost = LoadCost()
         # The payloads the last lookup of each sequence verified (read once, loaded after allocation).
         self._matched: dict[int, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, bytes]] = []
@@ -79,12 +85,14 @@ class OffloadingConnector(KVConnectorBase):
         self.loaded_blocks = 0
         self.loaded_bytes = 0
         self.stored_blocks = 0  # handed to the tier (the tier's own stats say what it kept)
+        self.declined_blocks = 0  # held by the tier, but recomputing them was priced cheaper than loading
 
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """Whole blocks from num_computed_tokens on that the tier holds, verified, stopping at the first
-        miss and before the prompt's last token (which must run for its logits)."""
+        miss and before the prompt's last token (which must run for its logits); 0 where the cost model
+        prices recomputing them cheaper than loading them (as the scheduler prices swap vs recompute)."""
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0  # the pool's full hit: nothing past it
@@ -92,12 +100,17 @@ class OffloadingConnector(KVConnectorBase):
         limit = (len(seq.token_ids) - 1) // bs
         cached = self._matched.get(seq.seq_id)
         payloads = list(cached[1]) if cached is not None and cached[0] == first else []
-        for i in range(first + len(payloads), limit):
-            key = block_key(seq, i, bs)
-            payload = self.tier.get(block_hash(seq, i, bs), key)
-            if payload is None:
+        held = self._num_held(seq, first + len(payloads), limit)  # index look-ups only: nothing read yet
+        if not payloads and held and not self._worth_loading(held):
+            self.declined_blocks += held
+            return 0
+        start = time.perf_counter()
+        for i in range(first + len(payloads), first + len(payloads) + held):
+            payload = self.tier.get(block_hash(seq, i, bs), block_key(seq, i, bs))
+            if payload is None:  # failed its checks (or gone since): the chain stops here
                 break
             payloads.append(payload)
+        self.load_cost.add_read(held, time.perf_counter() - start)
         payloads = payloads[:max(0, limit - first)]
         if payloads:
             if len(self._matched) > 8:  # only the queue's heads are looked up repeatedly
@@ -106,6 +119,21 @@ class OffloadingConnector(KVConnectorBase):
         else:
             self._matched.pop(seq.seq_id, None)
         return len(payloads) * bs
+
+    def _num_held(self, seq: Sequence, start: int, limit: int) -> int:
+        """Consecutive blocks from `start` (before `limit`) whose hashes the tier holds."""
+        n = 0
+        while start + n < limit and self.tier.contains(block_hash(seq, start + n, self.block_size)):
+            n += 1
+        return n
+
+    def _worth_loading(self, num_blocks: int) -> bool:
+        """Load unless the measured load cost exceeds the cost model's recompute cost for those tokens."""
+        load = self.load_cost.seconds(num_blocks)
+        if load is None or self.recompute_seconds is None:
+            return True  # nothing measured yet: a tier hit is presumed cheaper (it is, by far, on CPU)
+        recompute = self.recompute_seconds(num_blocks * self.block_size)
+        return recompute is None or load <= recompute
 
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
         """Load the matched blocks into `blocks` (the device blocks of those tokens, in order)."""
@@ -166,9 +194,35 @@ class OffloadingConnector(KVConnectorBase):
             "kv_offload_loaded_blocks": self.loaded_blocks, "kv_offload_loaded_bytes": self.loaded_bytes,
             "kv_offload_stored_blocks": t.stored_blocks, "kv_offload_stored_bytes": t.stored_bytes,
             "kv_offload_dropped_blocks": t.dropped_blocks, "kv_offload_evicted_blocks": t.evicted_blocks,
-            "kv_offload_rejected_blocks": t.rejected_blocks, "kv_offload_blocks": len(self.tier),
+            "kv_offload_rejected_blocks": t.rejected_blocks, "kv_offload_declined_blocks": self.declined_blocks,
+            "kv_offload_blocks": len(self.tier),
             "kv_offload_bytes": self.tier.used_bytes, "kv_offload_capacity_bytes": self.tier.capacity_bytes,
         }
+
+
+class LoadCost:
+    """Measured seconds per block loaded from the tier: the read (and checks) at match time plus the copy
+    into the cache (the worker's), each the median per block over the recent loads, so one load stretched
+    by another process on the machine moves nothing."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._reads: deque = deque(maxlen=window)
+        self._copies: deque = deque(maxlen=window)
+
+    def add_read(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0:
+            self._reads.append(seconds / num_blocks)
+
+    def add_copy(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0:
+            self._copies.append(seconds / num_blocks)
+
+    def seconds(self, num_blocks: int) -> float | None:
+        """What loading num_blocks blocks costs; None until a load was measured."""
+        if not self._reads:
+            return None
+        per_block = median(self._reads) + (median(self._copies) if self._copies else 0.0)
+        return num_blocks * per_block
 
 
 def block_key(seq: Sequence, i: int, block_size: int) -> BlockKey:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
+import numpy as np
 import torch
 
 import kvpage
@@ -31,7 +33,14 @@ class KVOffloadWorker(Executor):
         self._nbytes = [t[0].numel() * t.element_size() for t in self._tensors]
         self.bytes_per_block = sum(self._nbytes)
         self._device = self._tensors[0].device
+        # Behind a CPU pool, the cache tensors' bytes as numpy arrays (num_blocks, bytes of one block), sharing
+        # memory: a block moves as plain memcpys, no torch op (each of which is a parallel region that, on a
+        # loaded machine, waits for every OpenMP thread to be scheduled) and no staging copy.
+        self._host_views = None
+        if self._device.type == "cpu" and all(t.is_contiguous() for t in self._tensors):
+            self._host_views = [t.view(t.shape[0], -1).view(torch.uint8).numpy() for t in self._tensors]
         self._pending_loads: list[tuple[int, bytes]] = []
+        self.load_cost = None  # the connector's LoadCost: each load's copy time is reported to it
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -84,12 +93,23 @@ class KVOffloadWorker(Executor):
     def wait_for_load(self) -> None:
         loads, self._pending_loads = self._pending_loads, []
         if loads:
+            start = time.perf_counter()
             self.write_blocks([block_id for block_id, _ in loads], [payload for _, payload in loads])
+            if self.load_cost is not None:
+                self.load_cost.add_copy(len(loads), time.perf_counter() - start)
 
     # -- block bytes ---------------------------------------------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Each block's payload (every cache tensor's slice of it, in order)."""
+        if self._host_views is not None:
+            staging = np.empty((len(block_ids), self.bytes_per_block), dtype=np.uint8)
+            for row, block_id in zip(staging, block_ids):
+                offset = 0
+                for view, nbytes in zip(self._host_views, self._nbytes):
+                    row[offset:offset + nbytes] = view[block_id]
+                    offset += nbytes
+            return [row.data for row in staging]
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors]
         staging = torch.cat(parts, dim=1).cpu().numpy()
@@ -101,6 +121,14 @@ class KVOffloadWorker(Executor):
             if len(payload) != self.bytes_per_block:
                 raise ValueError(f"a KV block payload of {len(payload)} bytes; this cache's blocks take"
                                  f" {self.bytes_per_block}")
+        if self._host_views is not None:
+            for block_id, payload in zip(block_ids, payloads):
+                row = np.frombuffer(payload, dtype=np.uint8)
+                offset = 0
+                for view, nbytes in zip(self._host_views, self._nbytes):
+                    view[block_id] = row[offset:offset + nbytes]
+                    offset += nbytes
+            return
         n = len(block_ids)
         # One host copy (the join), one copy into the cache per tensor (strided rows: no gather first).
         staging = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8).view(n, -1)
