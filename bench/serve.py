@@ -147,11 +147,13 @@ KVPAGE = "kvpage serve"
 SERVER_NAMES = {"process": KVPAGE, "inprocess": "kvpage serve in-process core"}
 
 
-def start_kvpage(model_dir: Path, log_dir: Path, engine_core: str = "process") -> Server:
+def start_kvpage(model_dir: Path, log_dir: Path, engine_core: str = "process", swap_space_gib: float | None = None
+                 ) -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    swap = [] if swap_space_gib is None else ["--swap-space-gib", str(swap_space_gib)]
     return start_server(SERVER_NAMES[engine_core],
                         lambda port: [sys.executable, "-m", "kvpage", "serve", str(model_dir), "--port", str(port),
-                                      "--served-model-name", MODEL_NAME, "--engine-core", engine_core],
+                                      "--served-model-name", MODEL_NAME, "--engine-core", engine_core, *swap],
                         env, log_dir)
 
 
@@ -229,13 +231,16 @@ def _timed(server: Server, prompts: list, output_len: int, rate: float | None = 
 
 
 def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool, levels: list[int],
-               rate: float | None = None, engine_cores: tuple[str, ...] = ("process",)) -> dict:
-    """Offline and the saturated servers in turns, then the servers at half the slower one's request rate."""
-    llm = kvpage.LLM(model=str(model_dir))
+               rate: float | None = None, engine_cores: tuple[str, ...] = ("process",),
+               swap_space_gib: float | None = None) -> dict:
+    """Offline and the saturated servers in turns, then the servers at half the slower one's request rate.
+    swap_space_gib: kvpage's host pool for swap preemption, offline and served alike (None: the default)."""
+    llm = kvpage.LLM(model=str(model_dir), swap_space_gib=swap_space_gib)
     servers, skipped, log_dir = [], None, RESULTS_DIR / "serve_logs"  # the servers' logs stay for a post-mortem
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        servers += [start_kvpage(model_dir, log_dir, core) for core in engine_cores]
+        for core in engine_cores:  # one by one: a server that fails to start leaves the others stopped below
+            servers.append(start_kvpage(model_dir, log_dir, core, swap_space_gib))
         if with_vllm:
             try:
                 servers.append(start_vllm(model_dir, log_dir))
@@ -417,6 +422,9 @@ def main() -> dict:
     parser.add_argument("--engine-core", default="process",
                         help="comma-separated `kvpage serve --engine-core` modes to run, each a server of its own"
                              " (process,inprocess: both, alternating; the first is the report's kvpage serve)")
+    parser.add_argument("--swap-space-gib", type=float, default=None,
+                        help="kvpage's host pool for swap preemption, offline and served alike (0: recompute only,"
+                             " as vLLM v1; saves memory on a crowded machine); default: kvpage's")
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
@@ -436,12 +444,13 @@ def main() -> dict:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         levels = [int(n) for n in args.saturation.split(",")] if args.saturation else [num]
         res = {"workload": {"num_prompts": levels[0], "saturation_levels": levels, "input_len": input_len,
-                            "output_len": output_len,
+                            "output_len": output_len, "swap_space_gib": args.swap_space_gib,
+                            "engine_cores": args.engine_core,
                             "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct"},
                "machine": machine_info()}
         res.update(run_rounds(model_dir, lambda seed, num: requests_for(tok, num, input_len, seed), output_len,
                               args.rounds or (1 if args.quick else ROUNDS), with_vllm, levels, args.request_rate,
-                              tuple(args.engine_core.split(","))))
+                              tuple(args.engine_core.split(",")), args.swap_space_gib))
     report(res, "serve_quick" if args.quick else "serve")
     return res
 

@@ -158,3 +158,18 @@ def test_a_killed_engine_core_fails_its_requests_with_503_and_says_so(model_dir)
             assert "kvpage:num_requests_running" in scrape(url)  # /metrics still answers
     finally:
         client.shutdown()
+
+
+def test_the_tensor_parallel_driver_is_the_engine_core(model_dir, offline):
+    """--tensor-parallel-size 2 under a process core: the core's LLM is the driver and starts the workers."""
+    client = MPEngineCoreClient(model_dir, {"num_kv_blocks": 64, "tensor_parallel_size": 2}, start_timeout=300)
+    try:
+        with running_server(client) as (url, _):
+            prompt = [5, 7, 9]
+            want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].text
+            status, body = post(url + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6,
+                                                           "temperature": 0, "ignore_eos": True})
+            assert status == 200 and body["choices"][0]["text"] == want, body
+    finally:
+        client.shutdown()
