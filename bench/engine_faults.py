@@ -1,12 +1,12 @@
-"""Engine integrity under faults and threads (issue 39's target): N random fault injections into one
-LLM's bookkeeping, then M runs of 4 threads calling generate() on it at once.
+"""Engine integrity under faults and threads: N random fault injections into one LLM's bookkeeping,
+then M runs of 4 threads calling generate() on it at once.
 
 A fault is a KeyboardInterrupt or an ordinary exception raised at a random traced line of the
 scheduler, block manager, pools, engine, beam search or runner (tests/engine/integrity_helpers.py).
 After each: the bookkeeping invariants, an idle engine holding no block, and every 10th time a greedy
 control request with the tokens it gave before. Reports broken engines, leaked blocks and wrong outputs.
 
-    python bench/engine_faults.py            # 1000 faults, 100 thread runs (about 15 minutes on 2 cores)
+    python bench/engine_faults.py            # 1000 faults, 100 thread runs
     python bench/engine_faults.py --quick    # 20 faults, 4 thread runs
 """
 from __future__ import annotations

@@ -226,7 +226,6 @@ def test_in_step_hits_take_only_the_window():
     bm.note_computing(a, 0, 25)
     b = Sequence(1, prompt + [60, 61])
     assert bm.allocate(b) == 24
-    assert bm.in_step_readers() == {1}
     for table, window in zip(b.block_tables, bm.sliding_windows):
         assert [x != NULL_BLOCK for x in table[:6]] == needed_blocks(24, 6, window, 4)
     bm.mark_computed(a, 25)  # a frees what left its window; b still holds its share

@@ -249,11 +249,9 @@ def test_a_failed_step_sends_its_requests_back_to_be_recomputed():
     s.add_request("a", prompt + [1], max_tokens=2)
     s.add_request("b", prompt + [2], max_tokens=2)
     out = s.schedule()
-    assert s.bm.in_step_readers() == {out.scheduled[1].seq_id}
     assert s.discard_step(out)  # a's blocks were never written: b must not keep its hits on them
     assert [r.request_id for r in s.waiting] == ["a", "b"]
     assert all(r.seqs[0].block_table == [] and r.seqs[0].num_computed_tokens == 0 for r in s.waiting)
     assert s.bm.stats().num_cached_blocks == 0 and s.bm.stats().num_used_blocks == 0
     again = s.schedule()
     assert [(x.request_id, x.start) for x in again.scheduled] == [("a", 0), ("b", 12)]
-    assert s.bm.in_step_readers() == {again.scheduled[1].seq_id}

@@ -5,13 +5,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from . import hashing
 from .block_moves import BlockMapping, live_blocks, move_tables, num_unique_blocks, on_device, on_host
 from .block_pool import BlockPool
 from .block_table import blocks_to_append, num_blocks_for, slot_mapping
-from .hashing import ROOT_HASH, group_key
-from .kv_cache_groups import FULL_ATTENTION_LAYOUT, NULL_BLOCK, KVCacheLayout, first_kept_block
-from .prefix_cache import BlockKey
+from .kv_cache_groups import FULL_ATTENTION_LAYOUT, NULL_BLOCK, KVCacheLayout
+from .prefix_match import PrefixMatcher, num_hit_tokens
 from .sequence import Sequence, SequenceLike, as_seqs
 
 
@@ -62,10 +60,8 @@ class BlockManager:
     (returning copy-on-write pairs for `ops.copy_blocks`), and `mark_computed` records, after the
     step ran, that those tokens' K/V are in the cache, so full blocks become prefix-cache hits.
 
-    In-step hits (vLLM v1's rule): `note_computing` announces the full blocks a step's prefill is
-    about to fill, and a sequence admitted later in the same step hits them too. That is sound
-    because each layer of the forward pass writes every scheduled token's K/V before any token
-    attends. `begin_step` forgets the announcements; `in_step_readers` says who relied on them.
+    What the prefix cache holds, and which blocks a step is computing (in-step hits: `note_computing`,
+    `begin_step`), is prefix_match.PrefixMatcher's to say.
 
     Hybrid models (vLLM's hybrid KV cache manager): `kv_cache_layout` groups the layers by window
     (kv_cache_groups.py), and every sequence holds one table per group (seq.block_tables, all the same
@@ -90,16 +86,11 @@ class BlockManager:
         self.device = BlockPool(num_blocks, enable_prefix_caching, num_tags=self.num_groups)
         self.host = BlockPool(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        # Shortcuts for the per-token path (the pool never replaces these objects).
-        self._refs = self.device.ref_counts
-        self._cache = self.device.cache
+        self._refs = self.device.ref_counts  # a shortcut for the per-token path (the pool never replaces it)
+        # None without prefix caching: nothing is ever a hit.
+        self._prefix = PrefixMatcher(self.device.cache, block_size, self.kv_cache_layout) if enable_prefix_caching else None
         # Admission keeps this many blocks spare so running sequences can grow without preemption.
         self.watermark_blocks = int(watermark * num_blocks)
-        # This step's announced blocks: cache key -> (block, key), and who hit them (see note_computing).
-        self._computing: dict[bytes, tuple[int, BlockKey]] = {}
-        self._computing_blocks: set[int] = set()
-        self._in_step_readers: set[int] = set()
-        self._indexed_this_step: list[int] = []  # what recover() un-indexes
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._num_cow = 0
@@ -114,7 +105,6 @@ class BlockManager:
         self.sliding_windows = layout.sliding_windows
         self.num_groups = len(self.sliding_windows)
         self._window_groups = tuple((g, w) for g, w in enumerate(self.sliding_windows) if w is not None)
-        self._full_groups = tuple(g for g, w in enumerate(self.sliding_windows) if w is None)
         by_window: dict[int, list[int]] = {}  # groups sharing a window free at the same positions
         for g, w in self._window_groups:
             by_window.setdefault(w, []).append(g)
@@ -148,7 +138,7 @@ class BlockManager:
         can_allocate / allocate): read nothing from the cache, for a prompt that must be computed
         whole (prompt_logprobs); its blocks are still cached once full.
         """
-        return self._num_hit_tokens(seq, len(self._match_prefix(seq, use_prefix_cache)[0]))
+        return num_hit_tokens(seq, len(self._match_prefix(seq, use_prefix_cache)[0]), self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> bool:
         """Whether `allocate(seq, num_new_tokens)` fits and still leaves the watermark free."""
@@ -181,9 +171,7 @@ class BlockManager:
                     pool.incref(block_id)
         per_group = num_new_blocks // self.num_groups
         seq.block_tables = [table + [self._draw(g) for _ in range(per_group)] for g, table in enumerate(hits)]
-        if self._computing_blocks and any(not self._computing_blocks.isdisjoint(t) for t in hits):
-            self._in_step_readers.add(seq.seq_id)
-        num_cached = self._num_hit_tokens(seq, len(hits[0]))
+        num_cached = num_hit_tokens(seq, len(hits[0]), self.block_size)
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching and use_prefix_cache and count_hits:  # [kv tier] count_hits
             self._queried_tokens += len(seq.token_ids)
@@ -194,104 +182,25 @@ class BlockManager:
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the last step's announced blocks are computed or forgotten."""
-        self._computing.clear()
-        self._computing_blocks.clear()
-        self._in_step_readers.clear()
-        self._indexed_this_step.clear()
+        if self._prefix is not None:
+            self._prefix.begin_step()
 
     def note_computing(self, seq: Sequence, start: int, end: int) -> None:
         """This step computes tokens [start, end) of `seq` (slots already made): the full blocks they
         complete are hits for sequences admitted later in the step. Call after taking the slot
         mapping of [start, end), which must write these blocks, not skip them as hits."""
-        if self._cache is None:
-            return
-        for i in range(start // self.block_size, end // self.block_size):
-            chain_hash = self._block_hash(seq, i)
-            for g, table in enumerate(seq.block_tables):
-                block_hash = group_key(chain_hash, g)
-                if block_hash not in self._computing and self._cache.get(block_hash) is None:
-                    block_id = table[i]  # never NULL: the step writes it
-                    self._computing[block_hash] = (block_id, self._block_key(seq, i, g))
-                    self._computing_blocks.add(block_id)
-
-    def in_step_readers(self) -> set[int]:
-        """Sequences admitted this step with hits on blocks the step itself computes: if the step
-        fails, what they hit was never written."""
-        return set(self._in_step_readers)
+        if self._prefix is not None:
+            self._prefix.note_computing(seq, start, end)
 
     def _match_prefix(self, seq: Sequence, use_prefix_cache: bool = True) -> list[list[int]]:
-        """Each group's hit blocks for the longest prefix every group can supply (vLLM's hybrid rule):
-        a full group needs all its blocks, a window group only those in the window of the hit's end
-        (NULL_BLOCK before it). All lists have the hit's length in blocks."""
-        if self._cache is None or seq.block_table or not use_prefix_cache:
+        if self._prefix is None or seq.block_table or not use_prefix_cache:
             return [[] for _ in range(self.num_groups)]
-        limit = len(seq.token_ids) // self.block_size
-        full_hits = {}
-        for g in self._full_groups:  # each stops at its first miss; later groups need look no further
-            full_hits[g] = self._match_full(seq, g, limit)
-            limit = len(full_hits[g])
-        memo = {g: {} for g, _ in self._window_groups}
-        h = self._fit_windows(seq, limit, memo) if self._window_groups else limit
-        tables = []
-        for g, window in enumerate(self.sliding_windows):
-            if window is None:
-                tables.append(full_hits[g][:h])
-            else:
-                lo = self._first_hit_block(seq, h, window)
-                tables.append([NULL_BLOCK] * lo + [memo[g][i] for i in range(lo, h)])
-        return tables
-
-    def _match_full(self, seq: Sequence, group: int, limit: int) -> list[int]:
-        hits: list[int] = []
-        for i in range(limit):
-            block_id = self._lookup_any(seq, group, i)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
-
-    def _lookup_any(self, seq: Sequence, group: int, i: int) -> int | None:
-        """A cached block, or one this step computes (note_computing), holding seq's block i of `group`."""
-        block_id = self._lookup(seq, group, i)
-        if block_id is None and self._computing:
-            block_id = self._lookup_computing(seq, group, i)
-        return block_id
-
-    def _fit_windows(self, seq: Sequence, h: int, memo: dict[int, dict[int, int | None]]) -> int:
-        """The longest hit of at most h blocks for which every window group holds its window's blocks."""
-        while h > 0:
-            for g, window in self._window_groups:
-                lo = self._first_hit_block(seq, h, window)
-                miss = next((i for i in range(h - 1, lo - 1, -1) if self._memo_lookup(seq, g, i, memo[g]) is None),
-                            None)
-                if miss is not None:
-                    # Blocks above the miss all hit, and windows only move right as h grows: h - 1 still
-                    # fits this group if its window starts past the miss, else nothing above the miss does.
-                    h = h - 1 if self._first_hit_block(seq, h - 1, window) > miss else miss
-                    break
-            else:
-                return h
-        return 0
-
-    def _memo_lookup(self, seq: Sequence, group: int, i: int, memo: dict[int, int | None]) -> int | None:
-        if i not in memo:
-            memo[i] = self._lookup_any(seq, group, i)
-        return memo[i]
-
-    def _first_hit_block(self, seq: Sequence, num_hit_blocks: int, window: int) -> int:
-        """The first block a window group needs for a hit of num_hit_blocks: the next query starts at
-        the hit's token count."""
-        return first_kept_block(self._num_hit_tokens(seq, num_hit_blocks), window, self.block_size)
-
-    def _num_hit_tokens(self, seq: Sequence, num_hit_blocks: int) -> int:
-        # A full hit still recomputes the last token, for its logits (vLLM instead gives up the whole
-        # last block); slot_mapping keeps that token off the cached block it already sits in.
-        return min(num_hit_blocks * self.block_size, len(seq.token_ids) - 1)
+        return self._prefix.match(seq)
 
     def _plan_allocation(self, seq: Sequence, hits: list[list[int]], num_new_tokens: int | None) -> tuple[int, int]:
         """(fresh blocks to draw, over all groups; cached hits to revive): both come out of the free count."""
         num_hit_blocks = len(hits[0])
-        num_cached = self._num_hit_tokens(seq, num_hit_blocks)
+        num_cached = num_hit_tokens(seq, num_hit_blocks, self.block_size)
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
             num_new_tokens = remaining
@@ -394,9 +303,9 @@ class BlockManager:
                              f" {len(seq.token_ids) - old} uncomputed tokens and slots up to"
                              f" {len(seq.block_table) * bs}" + (" (swapped out)" if seq.swapped else ""))
         seq.num_computed_tokens = new
-        if new // bs != old // bs and self._cache is not None:
+        if new // bs != old // bs and self._prefix is not None:
             for i in range(old // bs, new // bs):
-                self._cache_block(seq, i)
+                self._prefix.index_block(seq, i)
         # After indexing: a block leaving a window stays a prefix hit (parked in the LRU).
         if self._window_groups:
             self._release_windows(seq, new)
@@ -454,7 +363,7 @@ class BlockManager:
     def blocks_indexed_this_step(self) -> list[int]:
         """[kv tier] Device blocks that became prefix-cache entries since begin_step(): once the step has run
         (update_from_output), each holds its entry's K/V, which a KV offload tier stores (write-through)."""
-        return list(self._indexed_this_step)
+        return [] if self._prefix is None else self._prefix.indexed_this_step()
 
     def recover(self, seqs: Iterable[Sequence], dropped: Iterable[Sequence] = ()) -> None:
         """After a step failed part way: `dropped` sequences hold nothing any more (as after free, but
@@ -465,7 +374,7 @@ class BlockManager:
             seq.block_tables = [[] for _ in range(self.num_groups)]
             seq.num_computed_tokens = 0
             seq.swapped = False
-        for block_id in self._indexed_this_step:
+        for block_id in self.blocks_indexed_this_step():
             self.device.uncache(block_id)
         self.begin_step()
         seqs = list(seqs)
@@ -490,67 +399,16 @@ class BlockManager:
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         slots = slot_mapping(table, self.block_size, start, end)
-        if self._cache is None or end <= start:
+        if self._prefix is None or end <= start:
             return slots
         # Only the last token of a full hit lands in a hit block: its K/V are there already (or are
         # being written by the step's other prefill), and a hit block is never written (others may be
         # reading it), so it maps to -1.
         bs = self.block_size
-        if self._is_hit_block(table[start // bs]):
-            slots = [-1 if self._is_hit_block(table[p // bs]) else slot for p, slot in zip(range(start, end), slots)]
+        is_hit = self._prefix.is_hit_block
+        if is_hit(table[start // bs]):
+            slots = [-1 if is_hit(table[p // bs]) else slot for p, slot in zip(range(start, end), slots)]
         return slots
-
-    def _is_hit_block(self, block_id: int) -> bool:
-        return self._cache.contains_block(block_id) or block_id in self._computing_blocks
-
-    # -- prefix cache --------------------------------------------------------------------------
-
-    def _block_key(self, seq: Sequence, i: int, group: int = 0) -> BlockKey:
-        """What full logical block i's hash commits to: its parent's hash, its tokens, extra keys (and,
-        as a cache entry, its group)."""
-        parent = self._block_hash(seq, i - 1) if i else ROOT_HASH
-        bs = self.block_size
-        return BlockKey(parent, hashing.pack_tokens(seq.token_ids[i * bs:(i + 1) * bs]), seq.extra_keys, group)
-
-    def _block_hash(self, seq: Sequence, i: int) -> bytes:
-        """Hash of full logical block i, extending the sequence's memoised chain as needed."""
-        hashes = seq.block_hashes
-        while len(hashes) <= i:
-            hashes.append(self._block_key(seq, len(hashes)).digest())
-        return hashes[i]
-
-    def _lookup(self, seq: Sequence, group: int, i: int) -> int | None:
-        """The cached block of `group` holding exactly seq's logical block i, if any."""
-        cache = self._cache
-        block_id = cache.get(group_key(self._block_hash(seq, i), group))
-        # Confirm the contents: a hash collision must never hand out someone else's KV.
-        if block_id is None or cache.key_of(block_id) != self._block_key(seq, i, group):
-            return None
-        return block_id
-
-    def _lookup_computing(self, seq: Sequence, group: int, i: int) -> int | None:
-        """The block of `group` this step computes as exactly seq's logical block i, if any (see note_computing)."""
-        entry = self._computing.get(group_key(self._block_hash(seq, i), group))
-        if entry is None or entry[1] != self._block_key(seq, i, group):
-            return None
-        return entry[0]
-
-    def _cache_block(self, seq: Sequence, i: int) -> None:
-        """Index full computed block i of every group (a window group's NULL_BLOCK entries aside)."""
-        cache = self._cache
-        key = None
-        hashes = seq.block_hashes
-        for g, table in enumerate(seq.block_tables):
-            block_id = table[i]
-            # Already indexed: a prefix hit, or a block this sequence shares with its fork parent.
-            if block_id == NULL_BLOCK or cache.contains_block(block_id):
-                continue
-            if key is None:
-                key = self._block_key(seq, i)  # memoises the chain up to block i - 1
-                if len(hashes) == i:  # the usual case, a block that just filled: pack and hash it once
-                    hashes.append(key.digest())
-            if cache.insert(block_id, group_key(hashes[i], g), key._replace(group=g) if g else key):
-                self._indexed_this_step.append(block_id)
 
     # -- swap ----------------------------------------------------------------------------------
 
@@ -590,16 +448,16 @@ class BlockManager:
         bs = self.block_size
         for seq in returning:
             seq.swapped = False
-            if self._cache is not None:
+            if self._prefix is not None:
                 for i in range(seq.num_computed_tokens // bs):
-                    self._cache_block(seq, i)
+                    self._prefix.index_block(seq, i)
         self._swapped_in += len(mapping)
         return mapping
 
     def _device_hit(self, seq: Sequence, group: int, i: int) -> int | None:
-        if self._cache is None or i >= seq.num_computed_tokens // self.block_size:
+        if self._prefix is None or i >= seq.num_computed_tokens // self.block_size:
             return None
-        return self._lookup(seq, group, i)
+        return self._prefix.lookup(seq, group, i)
 
     # -- statistics ----------------------------------------------------------------------------
 

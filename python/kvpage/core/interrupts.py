@@ -1,10 +1,10 @@
 """Commit sections that a Ctrl-C cannot split.
 
-The scheduler makes a step's bookkeeping transactional by snapshot and rollback (see transaction.py),
-but a rollback, and the few assignments that commit a step or a request, must themselves run whole:
-a KeyboardInterrupt landing between two of them would leave the engine and the scheduler out of
-step. Inside `deferred_interrupts()` a SIGINT is only recorded; it is raised once the section ends.
-Signals reach Python only in the main thread, so elsewhere the section just counts its depth.
+A failed step is recovered in one place (Scheduler.recover), but the recovery, and the few assignments
+that commit a step or a request, must themselves run whole: a KeyboardInterrupt landing between two of
+them would leave the engine and the scheduler out of step. Inside `deferred_interrupts()` a SIGINT is
+only recorded; it is raised once the section ends. Signals reach Python only in the main thread, so
+elsewhere the section just counts its depth.
 """
 from __future__ import annotations
 

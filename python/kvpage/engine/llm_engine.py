@@ -17,6 +17,7 @@ from kvpage.core.block_manager import CacheConfig
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.kv_cache_groups import KVCacheLayout
 
+from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
 from .detokenizer import IncrementalDetokenizer, find_stop
@@ -42,8 +43,8 @@ class EngineConfig:
     block_size: int = 16
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None
     preemption_mode: str | None = None
     eos_token_ids: tuple[int, ...] = ()  # the first is the scheduler's eos; the rest stop like it
