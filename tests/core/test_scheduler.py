@@ -4,7 +4,8 @@ import random
 import pytest
 
 from fake_runner import EOS, Arrival, FakeRunner, assert_pool_whole, drive, expected_outputs, sample
-from kvpage.core import BlockManager, RequestStatus, Scheduler, SchedulerConfig
+from kvpage.core import BlockManager, FinishReason, RequestStatus, Scheduler, SchedulerConfig, check_block_manager
+from kvpage.core.block_manager import CacheConfig
 
 
 def _scheduler(num_blocks=256, block_size=4, **kwargs):
@@ -255,3 +256,74 @@ def test_a_failed_step_sends_its_requests_back_to_be_recomputed():
     assert s.bm.stats().num_cached_blocks == 0 and s.bm.stats().num_used_blocks == 0
     again = s.schedule()
     assert [(x.request_id, x.start) for x in again.scheduled] == [("a", 0), ("b", 12)]
+
+
+def test_finish_requests_and_sequences_free_blocks_where_the_request_is():
+    """The engine's way to end requests (aborts) and single samples (stop strings): blocks freed at once,
+    the request finished once no sequence is live, unknown or finished ids skipped."""
+    s = Scheduler(CacheConfig(64, 4), max_num_seqs=8)  # the scheduler builds its own block manager
+    runner = FakeRunner(4)
+    s.add_request("a", [1, 2, 3, 4, 5], max_tokens=8, n=2, eos_token_id=None)
+    s.add_request("b", [6, 7, 8], max_tokens=8, eos_token_id=None)
+    s.add_request("w", [9] * 200, max_tokens=8)  # waiting: the budget holds it back
+    for _ in range(2):
+        _step(s, runner)
+    a = s.requests["a"]
+    first, second = a.seqs
+    s.finish_sequences("a", [first.seq_id], FinishReason.STOP)
+    assert a.finish_reasons == {first.seq_id: FinishReason.STOP} and first.block_table == [] and second.block_table
+    assert not a.status.is_finished
+    assert s.finish_requests(["b", "nobody", "a"], FinishReason.ABORT) == ["b", "a"]
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.finish_reasons[second.seq_id] is FinishReason.ABORT
+    assert s.finish_requests("b", FinishReason.ABORT) == [] and not s.abort_request("b")
+    stats = s.stats().blocks
+    assert stats.num_used_blocks == len(s.requests["w"].seqs[0].block_table) and stats.max_num_used_blocks > 0
+    assert s.abort_request("w") and s.schedule().finished_request_ids == ["b", "a", "w"]
+    assert_pool_whole(s.bm)
+
+
+@pytest.mark.parametrize("where", ["schedule", "update_from_output"])
+def test_a_failed_step_requeues_or_finishes_its_requests_and_the_next_one_runs(where, monkeypatch):
+    """schedule() failing part way requeues what it touched (as recompute preemption: no blocks, tokens
+    kept); recording the step failing part way aborts the step's requests. Either way the pools are
+    whole, and the other requests end with their undisturbed outputs."""
+    s = _scheduler(num_blocks=12, num_host_blocks=32, max_num_batched_tokens=64, preemption_mode="swap")
+    runner = FakeRunner(4)
+    requests = {f"r{i}": s.add_request(f"r{i}", [i + 1] * 9, max_tokens=12, eos_token_id=None) for i in range(3)}
+    while not s.swapped:
+        _step(s, runner)
+    swapped = [r.request_id for r in s.swapped]
+    name = "append_slots" if where == "schedule" else "mark_computed"
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "schedule":
+        first = s.running[0]
+        tokens = list(first.seqs[0].token_ids)
+        monkeypatch.setattr(s.bm, name, fail)
+        with pytest.raises(KeyboardInterrupt):
+            s.schedule()
+        assert first.status is RequestStatus.WAITING and s.waiting[0] is first
+        assert first.seqs[0].block_table == [] and first.seqs[0].num_computed_tokens == 0
+        assert first.seqs[0].token_ids == tokens
+        assert [r.request_id for r in s.swapped] == swapped
+        aborted = set()
+    else:
+        out = s.schedule()
+        monkeypatch.setattr(s.bm, name, fail)
+        with pytest.raises(KeyboardInterrupt):
+            s.update_from_output(out, runner.execute(out))
+        aborted = {x.request_id for x in out.scheduled}
+        assert aborted and all(requests[rid].status is RequestStatus.FINISHED_ABORTED for rid in aborted)
+    monkeypatch.undo()
+    assert s.pending is None
+    check_block_manager(s.bm, s.sequences())
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        _step(s, runner)
+    for rid, request in requests.items():
+        if rid not in aborted:
+            assert request.seqs[0].output_token_ids == expected_outputs([int(rid[1]) + 1] * 9, 12, eos=None)[0]
+    assert_pool_whole(s.bm)
