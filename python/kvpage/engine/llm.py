@@ -149,12 +149,9 @@ class LLM:
 
     def _blocks_for_budget(self, block_size: int) -> int:
         device = next(self.model.parameters()).device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            gib = GPU_KV_CACHE_FRACTION * free / 2**30
-        else:
-            gib = CPU_KV_CACHE_GIB
-        return _blocks_for(self.model.config, gib, block_size, self.kv_cache_dtype, self.kv_cache_layout)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        return _blocks_for(self.model.config, _kv_cache_gib(free), block_size, self.kv_cache_dtype,
+                           self.kv_cache_layout)
 
     def _start_tensor_parallel(self, o: EngineOptions, swap_gib: float, weight_dtype, graphs):
         """Budgets are per rank, as vLLM's per-GPU ones: a rank's share of a block is its KV heads' share,
@@ -167,9 +164,8 @@ class LLM:
         try:
             per_block = max(executor.rank_bytes_per_block(block_size, self.kv_cache_dtype, self.kv_cache_layout))
             if num_kv_blocks is None:
-                cuda = executor.device.type == "cuda"
-                gib = GPU_KV_CACHE_FRACTION * executor.min_free_device_bytes() / 2**30 if cuda else CPU_KV_CACHE_GIB
-                num_kv_blocks = int(gib * 2**30) // per_block
+                free = executor.min_free_device_bytes() if executor.device.type == "cuda" else None
+                num_kv_blocks = int(_kv_cache_gib(free) * 2**30) // per_block
             executor.allocate(num_kv_blocks, block_size, int(swap_gib * 2**30) // per_block, self.kv_cache_dtype,
                               weight_dtype, o.matmul_precision, o.dcp_kv_cache_interleave_size, self.kv_cache_layout,
                               graphs)
@@ -351,6 +347,11 @@ def _check_block_size(block_size) -> None:
     ok = isinstance(block_size, int) and not isinstance(block_size, bool)
     if not ok or not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
         raise ValueError(f"block_size must be an int power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+
+
+def _kv_cache_gib(free_device_bytes: int | None) -> float:
+    """The KV-cache budget where num_kv_blocks is not given: a share of a GPU's free bytes, or the CPU's GiB."""
+    return CPU_KV_CACHE_GIB if free_device_bytes is None else GPU_KV_CACHE_FRACTION * free_device_bytes / 2**30
 
 
 def _blocks_for(config, gib: float, block_size: int, dtype, layout) -> int:
