@@ -222,9 +222,46 @@ def _turns(servers: list[Server], round_index: int) -> list[Server]:
     return servers if round_index % 2 == 0 else servers[::-1]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc; 0 where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def server_cpu(server: Server) -> dict:
+    """CPU seconds so far of the server's process and of its child processes (kvpage's engine core, vLLM's
+    engine core): where a run's time goes between HTTP and the engine. Linux only (empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return {}
+    pid = server.process.pid
+    return {"server_process": _cpu_seconds(pid), "child_processes": sum(_cpu_seconds(k) for k in _children(pid))}
+
+
 def _timed(server: Server, prompts: list, output_len: int, rate: float | None = None) -> dict:
     wait_until_idle(max_seconds=5)  # the other side's threads may spin on after its run
+    before = server_cpu(server)
     result = run_server(server.url, prompts, output_len, rate)
+    after = server_cpu(server)
+    result.update({f"cpu_s_{k}": after[k] - before[k] for k in after})
     print(f"{server.name}{f' at {rate:.2f} req/s' if rate else ''}: {result['output_tok_s']:.1f} output tok/s,"
           f" TTFT p50 {result['ttft_p50_s']:.2f} s", flush=True)
     return result

@@ -14,6 +14,8 @@ import pytest
 
 from kvpage import SamplingParams
 from kvpage.engine.core_client import MPEngineCoreClient
+from kvpage.engine.core_process import decode_outputs, encode_outputs
+from kvpage.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from server_helpers import MODEL_NAME, get_status, post, running_server, scrape, stream_lines, wait_idle
 
 IDLE_CPU_LIMIT = 0.02  # of one core
@@ -47,6 +49,29 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _outputs(num_tokens: int, finished: bool, rid: str = "r") -> RequestOutput:
+    """Request rid's cumulative output after num_tokens tokens: two samples, logprobs, prompt logprobs."""
+    samples = [CompletionOutput(i, "ab"[i] * num_tokens, list(range(10 * i, 10 * i + num_tokens)),
+                                "length" if finished else None, -0.5 * num_tokens,
+                                [{t: Logprob(-0.5, 1, "x")} for t in range(num_tokens)]) for i in range(2)]
+    return RequestOutput(rid, "hi", [5, 7, 9], samples, finished, {"ttft": 0.1},
+                         [None, {7: Logprob(-1.0, 2)}, {9: Logprob(-2.0, 1)}], 0)
+
+
+def test_outputs_cross_the_pipe_unchanged():
+    """encode_outputs / decode_outputs: every field back, the prompt's ids sent with the first and final
+    outputs only; an aborted request's late output neither fails nor stays recorded."""
+    prompts = {"r": None}
+    for num_tokens, finished in ((1, False), (2, False), (3, False), (4, True)):
+        sent = _outputs(num_tokens, finished)
+        rows = encode_outputs([sent])
+        assert (rows[0][2] is None) == (1 < num_tokens < 4)
+        assert decode_outputs(rows, prompts) == [sent]
+    assert prompts == {}  # forgotten at the final output
+    late = decode_outputs(encode_outputs([_outputs(5, False, "gone")]), prompts)
+    assert late[0].prompt_token_ids is None and prompts == {}
 
 
 def test_greedy_answers_equal_offline_generation(process_server, offline):

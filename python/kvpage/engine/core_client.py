@@ -20,7 +20,7 @@ import threading
 from abc import ABC, abstractmethod
 
 from .core_process import AbortRequests, AddRequest, EngineCore, EngineCoreInfo, EngineCoreOutputs, Stop, \
-    run_engine_core
+    decode_outputs, run_engine_core
 
 logger = logging.getLogger("kvpage.engine_core")
 
@@ -119,6 +119,8 @@ class MPEngineCoreClient(EngineCoreClient):
         self._reader: threading.Thread | None = None
         self._stopping = False
         self._ended = False
+        self._prompt_ids: dict[str, list[int] | None] = {}  # decode_outputs' record of the requests in flight
+        self._prompts_lock = threading.Lock()
         self.info = self._wait_ready(start_timeout)
 
     def _wait_ready(self, timeout: float | None) -> EngineCoreInfo:
@@ -151,6 +153,11 @@ class MPEngineCoreClient(EngineCoreClient):
                 batch = self._recv_end.recv()
             except (EOFError, OSError):
                 break
+            with self._prompts_lock:
+                self._forget(batch.refused)
+                for _, request_ids in batch.failed:
+                    self._forget(request_ids)
+                batch.outputs = decode_outputs(batch.outputs, self._prompt_ids)
             on_outputs(batch)
             told = batch.dead is not None
         self._ended = True
@@ -174,10 +181,18 @@ class MPEngineCoreClient(EngineCoreClient):
                 pass  # the core is gone: the reader reports it (dead) to everything in flight
 
     def add_request(self, request: AddRequest) -> None:
+        with self._prompts_lock:
+            self._prompt_ids[request.request_id] = None  # before it is sent: its first output may come at once
         self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send(AbortRequests(list(request_ids)))
+        with self._prompts_lock:
+            self._forget(request_ids)
+
+    def _forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self._prompt_ids.pop(rid, None)
 
     def shutdown(self) -> None:
         self._stopping = True
