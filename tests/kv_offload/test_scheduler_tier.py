@@ -177,6 +177,23 @@ def test_recompute_pricer_trusts_only_a_measured_prefill_rate():
     assert recompute_pricer(fixed)(16) == pytest.approx(0.16)
 
 
+def test_a_pickled_scheduler_copy_gets_an_inert_connector(tmp_path):
+    """`kvpage serve` pickles the engine core's scheduler for its checks: the tier (a lock, a writer thread)
+    stays behind, and the copy's connector and eviction hook do nothing."""
+    import pickle
+
+    from kvpage.kv_offload import DiskTier, KVConnectorBase
+
+    s, _, connector = tiered_scheduler(12, 4, 0, 64)
+    connector.tier = DiskTier(tmp_path, "0123456789abcdef" * 2, 1 << 20)
+    s.bm.device.cache.on_evict = connector.on_evict
+    copy = pickle.loads(pickle.dumps(s))
+    assert type(copy.kv_connector) is KVConnectorBase
+    assert copy.bm.device.cache.on_evict(b"h", None, 0) is None
+    assert copy.check_fits is not None and s.kv_connector is connector
+    connector.tier.close()
+
+
 def _entry(tokens, i, bs):
     from kvpage.core import Sequence
     from kvpage.kv_offload.connector import block_hash, block_key

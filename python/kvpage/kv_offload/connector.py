@@ -87,6 +87,12 @@ class OffloadingConnector(KVConnectorBase):
         self.stored_blocks = 0  # handed to the tier (the tier's own stats say what it kept)
         self.declined_blocks = 0  # held by the tier, but recomputing them was priced cheaper than loading
 
+    def __reduce__(self):
+        # The tier (its memory, files and writer thread) belongs to the process that built it: a pickled copy
+        # elsewhere (`kvpage serve` keeps a copy of the engine core's scheduler for its admission checks) gets
+        # a connector that matches and keeps nothing.
+        return (KVConnectorBase, ())
+
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
