@@ -14,10 +14,19 @@ cache (window_ratio = windowed / full time; the window reads 1/16 of the keys, s
                  reports its time against the same-dtype cache's (fp8_speedup) and its error
     --window-only: only the sliding-window rows
     python bench/kernels_cpu.py --device cuda   # GPU benchmark (bench/kernels_cuda.py)
+    python bench/kernels_cpu.py --range-check-cost [--quick] [--rounds N]
+    --range-check-cost: what the range checks (off by default, KVPAGE_RANGE_CHECKS=1) cost the engine's CPU
+                 steps: the default model, fp32, 8 greedy requests of bench/engine.py's workload, 64 tokens
+                 each (--quick: its quick workload), prefix caching off so every run does the same work;
+                 N paired rounds alternating which setting runs first; reports the median per-round ratios
+                 of the run times, checks on / off: wall and this process's CPU time (steadier on a loaded
+                 machine, with --threads 1)
 """
 import argparse
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -223,8 +232,6 @@ def run_window_only(args, dtype, generator):
 
 
 def run_cpu(args):
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(0)
     if args.window_only:
@@ -263,20 +270,63 @@ def run_cpu(args):
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
+def _timed_run(llm, workload, checks: bool) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one run of the workload with the range checks on or off."""
+    from kvpage.engine.workload import run_kvpage
+
+    with ops.range_checks(checks):
+        cpu = time.process_time()
+        wall = run_kvpage(llm, workload)["seconds"]
+        return wall, time.process_time() - cpu
+
+
+def run_range_check_cost(args):
+    import kvpage
+    from kvpage.engine.workload import make_workload, quick_workload
+
+    workload = quick_workload() if args.quick else make_workload(num_requests=8, min_out=64, max_out=64)
+    llm = kvpage.LLM(enable_prefix_caching=False)
+    _timed_run(llm, workload, False)  # warm-up
+    runs = {False: [], True: []}
+    for r in range(args.rounds or (2 if args.quick else 6)):
+        for checks in ((False, True) if r % 2 == 0 else (True, False)):
+            runs[checks].append(_timed_run(llm, workload, checks))
+    rows = [{"round": i, "off_s": off[0], "on_s": on[0], "wall_on_over_off": on[0] / off[0],
+             "off_cpu_s": off[1], "on_cpu_s": on[1], "cpu_on_over_off": on[1] / off[1]}
+            for i, (off, on) in enumerate(zip(runs[False], runs[True]))]
+    ratios = {key: statistics.median(r[key] for r in rows) for key in ("wall_on_over_off", "cpu_on_over_off")}
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    common.print_table(rows, list(rows[0]))
+    print(f"range checks on / off, median of {len(rows)} paired rounds: wall {ratios['wall_on_over_off']:.4f}, "
+          f"process CPU time {ratios['cpu_on_over_off']:.4f} ({workload.num_output_tokens} output tokens a run, "
+          f"isa {ops.cpu_isa()}, threads {torch.get_num_threads()})")
+    path = common.write_json("kernels_range_checks", {"machine": common.machine_info(), "isa": ops.cpu_isa(),
+                                                      "threads": torch.get_num_threads(), "rows": rows, **ratios})
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at context 1024, one prefill (smoke run)")
-    parser.add_argument("--range-checks", action="store_true", help="keep block-table range checks on")
+    parser.add_argument("--range-checks", action="store_true", help="turn the range checks on (off by default)")
     parser.add_argument("--fp8-cache", action="store_true", help="decode also over an fp8 copy of the cache")
     parser.add_argument("--window-only", action="store_true", help="only the sliding-window decode rows")
+    parser.add_argument("--range-check-cost", action="store_true",
+                        help="the engine's CPU run time with the range checks on / off (paired rounds)")
+    parser.add_argument("--rounds", type=int, default=None, help="paired rounds of --range-check-cost (6; --quick: 2)")
     args, rest = parser.parse_known_args()
     if args.device == "cuda":
         cuda_bench = Path(__file__).resolve().parent / "kernels_cuda.py"
         sys.exit(subprocess.call([sys.executable, str(cuda_bench), *rest]))
-    run_cpu(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.range_check_cost:
+        run_range_check_cost(args)
+    else:
+        run_cpu(args)
 
 
 if __name__ == "__main__":
