@@ -6,7 +6,10 @@ in bf16 pairs for bf16 dot products (matmul_precision="medium").
 
 All 30 layers of SmolLM2-135M's shapes plus its vocab projection, random weights, each matrix used
 once per pass so the weights come from memory as in the engine (a step streams ~540 MB of fp32
-weights). Min of a few passes per row count M (the decode batch), same process, same threads.
+weights). Min of a few passes per row count M (the decode batch), same process, same threads. At M = 1
+each system's weight bytes over its time (GB/s) beside the machine's read bandwidth, measured before and
+after that row as a sum over a buffer of the fp32 weights' size (the best of the two): a batch-1 step
+reads every weight once, so that bandwidth bounds it.
 
     python bench/linear.py [--rows 1 8 16 32 64 128 256] [--threads N]
     python bench/linear.py --quick    # 2 layers' matrices, rows 1 and 8: a smoke run
@@ -36,6 +39,17 @@ def weights(shapes, layers=LAYERS):
     g = torch.Generator().manual_seed(0)
     per_layer = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers) for n, k in shapes]
     return per_layer + [torch.randn(VOCAB, HIDDEN, generator=g) * 0.02]
+
+
+def read_bandwidth_gbs(num_bytes: int, passes: int = 5) -> float:
+    """The best of a few multithreaded sums over num_bytes of fp32: this machine's read bandwidth now."""
+    buffer = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
 
 
 def best_ms(calls, rows, passes=5):
@@ -86,18 +100,31 @@ def main():
                     for i, w in enumerate(fused)]
         systems["kvpage slabs, bf16 dot"] = [(k, lambda x, n=n, p=p: packed_linear(x, p, n)) for n, k, p in in_pairs]
     flops_per_row = 2 * sum(n * k for n, k in FUSED) * layers + 2 * VOCAB * HIDDEN
+    weight_bytes = {name: 4 * flops_per_row // 2 for name in systems}  # fp32: 4 bytes per multiply-add
+    weight_bytes.update({name: 2 * flops_per_row // 2 for name in systems if "bf16" in name})
     rows_out = []
     for rows in args.rows:
+        bandwidth = read_bandwidth_gbs(weight_bytes["nn.Linear"]) if rows == 1 else None
         times = {name: best_ms(calls, rows) for name, calls in systems.items()}
+        if bandwidth is not None:
+            bandwidth = max(bandwidth, read_bandwidth_gbs(weight_bytes["nn.Linear"]))
+            print(f"M=1 read bandwidth {bandwidth:.1f} GB/s (sum over {weight_bytes['nn.Linear'] / 1e6:.0f} MB): "
+                  + ", ".join(f"{name} {weight_bytes[name] / t / 1e6:.1f} GB/s"
+                              f" ({weight_bytes[name] / t / 1e6 / bandwidth:.0%})" for name, t in times.items()),
+                  flush=True)
         base = times["nn.Linear"]
         row = {"rows": rows, **{name: f"{t:.1f}" for name, t in times.items()}}
         for name, t in times.items():
             if name != "nn.Linear":
                 row[f"{name.split(' (')[0]} speed-up"] = f"{base / t:.2f}x"
         row["best GFLOP/s"] = f"{flops_per_row * rows / min(times.values()) / 1e6:.0f}"
+        if bandwidth is not None:
+            row["read GB/s"] = f"{bandwidth:.1f}"
+            huge = "kvpage slabs, huge pages"  # as the engine holds fp32 weights
+            row["fp32 slabs GB/s"] = f"{weight_bytes[huge] / times[huge] / 1e6:.1f}"
         rows_out.append(row)
         print(f"M={rows}: " + ", ".join(f"{k} {v} ms" for k, v in times.items()), flush=True)
-    columns = list(rows_out[0])
+    columns = list(dict.fromkeys(key for row in rows_out for key in row))
     common.print_table(rows_out, columns)
     path = common.write_json("linear_quick" if args.quick else "linear",
                              {"machine": common.machine_info(), "ms_per_step": rows_out})
