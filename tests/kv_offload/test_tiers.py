@@ -167,6 +167,35 @@ def test_disk_full_warns_once_and_stores_nothing(tmp_path, monkeypatch, caplog):
     assert all(tier.get(h, k) == p for h, k, p in items)
 
 
+def test_a_stalled_disk_never_blocks_a_store(tmp_path, monkeypatch):
+    """Stores are queued for the writer thread: with the disk stalled, put() returns at once, and past the
+    queue's bound blocks are dropped (counted), never waited for; once the disk moves, the queued ones land."""
+    import threading
+
+    real, writing, stalled = tiers._write_file, threading.Event(), threading.Event()
+
+    def stalled_disk(path, chunks):
+        writing.set()
+        stalled.wait()
+        real(path, chunks)
+
+    monkeypatch.setattr(tiers, "WRITE_QUEUE_BLOCKS", 2)
+    tier = disk(tmp_path)
+    monkeypatch.setattr(tiers, "_write_file", stalled_disk)
+    items = entries(6)
+    try:
+        tier.put(*items[0])
+        assert writing.wait(60)  # the writer holds the first block, stalled
+        for h, k, p in items[1:]:  # two queue behind it, three are dropped: no put waited
+            tier.put(h, k, p)
+        assert tier.stats.dropped_blocks == 3 and len(tier) == 0
+    finally:
+        stalled.set()
+    tier.flush()
+    assert len(tier) == 3 and all(tier.get(h, k) == p for h, k, p in items[:3])
+    tier.close()
+
+
 def test_crash_before_rename_leaves_nothing_loadable(tmp_path):
     """A writer killed between writing the data and renaming it into place (the file is the index entry)
     leaves a temporary file: never indexed, never read; removed at start-up once stale."""

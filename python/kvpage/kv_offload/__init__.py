@@ -49,16 +49,19 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
     if block_manager.device.cache is None:
         raise ValueError("kv_offloading_size / kv_offloading_dir need enable_prefix_caching=True (the tier holds"
                          " the prefix cache's evicted blocks)")
-    if not hasattr(runner, "kv_cache_pairs") or getattr(runner, "context_parallel", None) is not None:
+    from kvpage.model.runner import ModelRunner  # torch, only where a tier is configured
+
+    # A tensor-parallel driver holds no cache of its own: each rank's shard of a block is in its own process.
+    if not isinstance(runner, ModelRunner) or runner.context_parallel is not None:
         raise ValueError("kv_offloading_size / kv_offloading_dir are not supported with tensor_parallel_size > 1"
                          " or decode context parallelism")
-    from .worker import KVOffloadWorker, model_fingerprint  # torch, only where a tier is configured
+    from .worker import KVOffloadWorker, model_fingerprint
 
     size_gib = kv_offloading_size if kv_offloading_size is not None else DEFAULT_DISK_TIER_GIB
     capacity = int(size_gib * 2**30)
     if kv_offloading_dir is not None:
         fingerprint = model_fingerprint(runner.model, tokenizer, runner, block_manager.block_size,
-                                        getattr(runner, "matmul_precision", "highest"))
+                                        runner.matmul_precision)
         tier = DiskTier(kv_offloading_dir, fingerprint, capacity)
     else:
         tier = HostMemoryTier(capacity)
