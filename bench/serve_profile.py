@@ -197,7 +197,7 @@ class InProcessServer:
 
     def roles(self) -> dict[int, str]:
         loop = self.app.state.ctx.engine_loop
-        return {self.native_id: "event loop", loop._thread.native_id: "engine"}
+        return {self.native_id: "event loop", loop.client.thread.native_id: "engine"}
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -63,13 +63,13 @@ class InprocEngineCoreClient(EngineCoreClient):
         self.info = EngineCoreInfo.of(llm)
         self.core: EngineCore | None = None
         self._inbox: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the core's, while it runs
 
     def start(self, on_outputs) -> None:
-        if self._thread is None:
+        if self.thread is None:
             self.core = EngineCore(self.engine, on_outputs)
-            self._thread = threading.Thread(target=self._run, name="kvpage-engine-core", daemon=True)
-            self._thread.start()
+            self.thread = threading.Thread(target=self._run, name="kvpage-engine-core", daemon=True)
+            self.thread.start()
 
     def _run(self) -> None:
         try:
@@ -84,14 +84,14 @@ class InprocEngineCoreClient(EngineCoreClient):
         self._inbox.put(AbortRequests(list(request_ids)))
 
     def shutdown(self) -> None:
-        if self._thread is not None:
+        if self.thread is not None:
             self._inbox.put(Stop())
-            self._thread.join()
-            self._thread = None
+            self.thread.join()
+            self.thread = None
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.thread is not None and self.thread.is_alive()
 
     @property
     def num_failed_steps(self) -> int:
