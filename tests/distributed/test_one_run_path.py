@@ -48,6 +48,6 @@ def test_a_step_that_samples_nothing_returns_no_rows():
 @pytest.mark.parametrize("graphs", [None, CudaGraphConfig(max_num_seqs=24, max_model_len=512)])
 def test_every_rank_gets_the_drivers_cuda_graph_choice(graphs):
     """enforce_eager (None) or the graphs' sizes travel in the ALLOCATE message, so no rank decides alone."""
-    h = protocol.allocate_header(0, 100, BLOCK, 0, cuda_graphs=graphs)
+    h = protocol.allocate_header(0, 100, BLOCK, 0, None, None, "highest", 1, False, graphs)
     assert protocol.cuda_graphs_of(h) == graphs
     assert protocol.cache_dtype_of(h) is None and protocol.weight_dtype_of(h) is None

@@ -152,10 +152,9 @@ class TensorParallelExecutor(Executor):
     def min_free_device_bytes(self) -> int:
         return min(r.free_device_bytes for r in self.reports)
 
-    def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                 cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest", dcp_interleave: int = 1, layout=None,
-                 cuda_graphs=None) -> None:
+    def allocate(self, num_kv_blocks: int, block_size: int, num_host_blocks: int, cache_dtype: torch.dtype | None,
+                 weight_dtype: torch.dtype | None, matmul_precision: str, dcp_interleave: int, layout,
+                 cuda_graphs) -> None:
         """Every rank allocates its shard of num_kv_blocks blocks (and of the host swap pool), in
         cache_dtype: the model's dtype (None) or one of protocol.CACHE_DTYPES; weight_dtype: the
         ModelRunner's (None, or one of protocol.WEIGHT_DTYPES: each rank rounds and packs its shard), as

@@ -55,9 +55,9 @@ def header(kind: Kind, message: int, **sizes: int) -> torch.Tensor:
 
 
 def allocate_header(message: int, num_kv_blocks: int, block_size: int, num_host_blocks: int,
-                    cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                    matmul_precision: str = "highest", dcp_interleave: int = 1,
-                    model_kv_cache_groups: bool = False, cuda_graphs: CudaGraphConfig | None = None) -> torch.Tensor:
+                    cache_dtype: torch.dtype | None, weight_dtype: torch.dtype | None, matmul_precision: str,
+                    dcp_interleave: int, model_kv_cache_groups: bool, cuda_graphs: CudaGraphConfig | None) -> torch.Tensor:
+    """TensorParallelExecutor.allocate's arguments (the ModelRunner's, on every rank) as an ALLOCATE header."""
     graphs = (cuda_graphs.max_num_seqs, cuda_graphs.max_model_len) if cuda_graphs is not None else (0, 0)
     return header(Kind.ALLOCATE, message, num_seqs=num_kv_blocks, num_tokens=block_size, width=num_host_blocks,
                   num_sampled=CACHE_DTYPES.index(cache_dtype), swap_out=WEIGHT_DTYPES.index(weight_dtype),

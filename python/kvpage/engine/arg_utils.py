@@ -17,6 +17,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 # The host pool for swap preemption where swap_space_gib is None.
 DEFAULT_SWAP_SPACE_GIB = 0.5
+# The dtype options' names (vLLM's), each with the torch dtype it names (None: the model's own, the weights as
+# loaded): the one table, which kvpage.model.runner turns into torch dtypes.
+KV_CACHE_DTYPE_NAMES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "bfloat16": "bfloat16",
+                        "float16": "float16"}
+WEIGHT_DTYPE_NAMES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16"}
+MATMUL_PRECISIONS = ("highest", "medium")  # torch.set_float32_matmul_precision's names
 
 
 def positive_int(text: str) -> int:
@@ -76,13 +82,13 @@ ENGINE_OPTIONS = (
                  ("auto", "float32", "float16", "bfloat16")),
     EngineOption("kv_cache_dtype", str, "auto", "fp8: K/V stored as float8_e4m3fn, 4x the tokens of fp32;"
                  " bfloat16 / float16: 2x (CPU, float32 model); neither is token-identical",
-                 ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16")),
+                 tuple(KV_CACHE_DTYPE_NAMES)),
     EngineOption("weight_dtype", str, "auto", "bfloat16 / float16: the weights rounded to and stored in 16 bits,"
                  " computed in float32 (CPU, float32 model): half the bytes a decode step streams",
-                 ("auto", "bfloat16", "float16")),
+                 tuple(WEIGHT_DTYPE_NAMES)),
     EngineOption("matmul_precision", str, "highest", "medium: the linear layers compute with bf16 dot products"
                  " where the CPU has AVX512-BF16 (weights and inputs rounded to bf16), not token-identical",
-                 ("highest", "medium")),
+                 MATMUL_PRECISIONS),
     EngineOption("enforce_eager", bool, False, "no CUDA graphs for decode steps (GPU only; the CPU always runs"
                  " eagerly)"),
     EngineOption("tensor_parallel_size", positive_int, 1, "processes splitting each layer's heads (one per GPU;"

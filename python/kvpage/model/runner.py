@@ -13,6 +13,7 @@ import torch
 from kvpage import ops
 from kvpage.core import kv_cache_groups
 from kvpage.core.kv_cache_groups import KVCacheLayout
+from kvpage.engine.arg_utils import ENGINE_DEFAULTS, KV_CACHE_DTYPE_NAMES, MATMUL_PRECISIONS, WEIGHT_DTYPE_NAMES
 from kvpage.engine.executor_base import Executor
 
 from .attention import HFForward, head_dim_of, validate_config
@@ -31,15 +32,14 @@ __all__ = ["ModelInput", "ModelRunner", "SequenceInput"]  # the step types live 
 # of float32's memory, so four times the tokens in the same budget; "bfloat16" / "float16" store a
 # float32 model's K/V in 16 bits on CPU (rounded to nearest even; attention computes in float32):
 # half the memory and half the bytes decode attention reads.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {name: getattr(torch, t) if t else None for name, t in KV_CACHE_DTYPE_NAMES.items()}
 
 
 # weight_dtype names: "auto" keeps the model's weights as they are; "bfloat16" / "float16" round a float32
 # model's weights to 16 bits (every parameter, in place) and store its linear layers' packed slabs in 16
 # bits on CPU, computing in float32: half the bytes a decode step streams (the modules keep
 # their float32 weights, so resident memory does not shrink).
-WEIGHT_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_DTYPES = {name: getattr(torch, t) if t else None for name, t in WEIGHT_DTYPE_NAMES.items()}
 
 
 def weight_dtype_from_name(name) -> torch.dtype | None:
@@ -64,12 +64,13 @@ def check_weight_dtype(weight_dtype: torch.dtype | None, dtype: torch.dtype, dev
 # "medium" lets the linear layers compute with bf16 dot products (weights and inputs rounded to bf16,
 # sums in float32; twice the FMA rate), where the CPU has AVX512-BF16, and in float32 elsewhere (as
 # torch's "medium" permits bf16, not requires it). Not token-identical to float32.
-MATMUL_PRECISIONS = ("highest", "medium")
+def check_matmul_precision_name(precision) -> None:
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
 
 
 def check_matmul_precision(precision, dtype: torch.dtype, device: torch.device) -> None:
-    if precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    check_matmul_precision_name(precision)
     if precision == "medium" and (dtype != torch.float32 or device.type != "cpu"):
         raise ValueError(f"matmul_precision 'medium' needs a float32 model on CPU; got a {dtype} model on"
                          f" {device.type}")
@@ -130,8 +131,7 @@ _SERVED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 def dtypes_from_names(kv_cache_dtype, weight_dtype, matmul_precision) -> tuple[torch.dtype | None, torch.dtype | None]:
     """LLM's dtype options by name (checked before the model loads): (cache dtype, weight dtype), None for
     "auto"; ValueError naming the option for a name that is none of them."""
-    if matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
+    check_matmul_precision_name(matmul_precision)
     return kv_cache_dtype_from_name(kv_cache_dtype), weight_dtype_from_name(weight_dtype)
 
 
@@ -179,10 +179,10 @@ class ModelRunner(Executor):
     step (the attention layers need the step's block tables) or with a kvpage.PagedCache.
     """
 
-    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
-                 num_host_blocks: int = 0, num_kv_heads: int | None = None,
+    def __init__(self, model, num_kv_blocks: int, block_size: int = ENGINE_DEFAULTS["block_size"],
+                 dtype: torch.dtype | None = None, num_host_blocks: int = 0, num_kv_heads: int | None = None,
                  kv_cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 matmul_precision: str = "highest", cuda_graphs: CudaGraphConfig | None = None,
+                 matmul_precision: str = ENGINE_DEFAULTS["matmul_precision"], cuda_graphs: CudaGraphConfig | None = None,
                  context_parallel: ContextParallelAttention | None = None,
                  kv_cache_layout: KVCacheLayout | None = None) -> None:
         """num_kv_heads: the KV heads this process's caches hold, when a tensor-parallel shard of the model
