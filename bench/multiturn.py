@@ -104,6 +104,9 @@ def run_vllm(model: Path, log_dir: Path, users: list[list[str]], max_tokens: int
             continue
         try:
             results[label] = run_conversations(server, users, max_tokens)
+        except Exception as e:  # e.g. its CPU backend failing the first offloaded transfer: recorded, not fatal
+            results[label] = {"failed": f"{type(e).__name__}: {e}"[-1500:], "log": server.log.read_text()[-1500:]}
+            print(f"  {label}: failed: {type(e).__name__}: {str(e)[-300:]}", flush=True)
         finally:
             server.stop()
     return results
