@@ -8,9 +8,11 @@ one's share of the profiled self CPU time.
 
     python bench/profile_engine.py [--npl 64] [--tokens 24] [--top 12]
     python bench/profile_engine.py --split --npl 1 --tokens 128   # a batch-1 decode step, part by part
+    python bench/profile_engine.py --split --npl 1 --weight-dtype=bfloat16 --num-kv-blocks=256   # engine options
     python bench/profile_engine.py --quick   # 4 prompts x 4 tokens: a smoke run
 """
 import argparse
+import ast
 import contextlib
 import sys
 import time
@@ -88,6 +90,10 @@ def main():
     extra = dict(common.QUICK_ENGINE_ARGS if args.quick else {})
     for item in engine_args:  # --weight-dtype=bfloat16 style engine options, passed through to LLM
         key, _, value = item.lstrip("-").partition("=")
+        try:
+            value = ast.literal_eval(value)  # numbers as numbers
+        except (ValueError, SyntaxError):
+            pass  # words (bfloat16) as strings
         extra[key.replace("-", "_")] = value
     llm = kvpage.LLM(model=args.model, **extra)
     params = kvpage.SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
