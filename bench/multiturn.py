@@ -88,8 +88,9 @@ def start_vllm(model: Path, log_dir: Path, name: str, num_kv_tokens: int, offloa
              "--enable-prompt-tokens-details"]
     if offloading_gib is not None:
         extra += ["--kv-offloading-size", str(offloading_gib), "--kv-offloading-backend", "native"]
+    # Its first start compiles the model (torch.compile): over 10 minutes on a loaded 2-core VM.
     return start_server(name, lambda port: vllm_launcher.serve_argv(str(model), port, MODEL_NAME) + extra, env,
-                        log_dir)
+                        log_dir, timeout_s=1800)
 
 
 def run_vllm(model: Path, log_dir: Path, users: list[list[str]], max_tokens: int, num_kv_tokens: int) -> dict:
