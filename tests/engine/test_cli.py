@@ -65,7 +65,7 @@ def test_cli_bad_argument_is_an_error_not_a_crash(llm, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,match", [(["plan", "--context", "0"], "context_len"),
-                                        (["plan", "--block-size", "0"], "block_size")])
+                                        (["plan", "--block-size", "0"], "--block-size")])
 def test_python_m_kvpage_exits_with_the_error_status(argv, match):
     """`python -m kvpage` returns main()'s status (2), and a bad flag is a message, not a traceback."""
     run = subprocess.run([sys.executable, "-m", "kvpage", *argv], capture_output=True, text=True, timeout=60)
