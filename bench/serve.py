@@ -298,6 +298,7 @@ def _saturated(llm, servers: list[Server], requests, output_len: int, rounds: in
         prompts = requests(seed=seed + r)
         wait_until_idle(max_seconds=5)
         offline.append(run_offline(llm, prompts, output_len))
+        print(f"offline LLM.generate: {offline[-1]['output_tok_s']:.1f} output tok/s", flush=True)
         for server in _turns(servers, r):
             saturation[server.name].append(_timed(server, prompts, output_len))
     return offline, saturation

@@ -156,3 +156,29 @@ def _status_or_none(url: str) -> int | None:
         return get_status(url, "/health")
     except OSError:
         return None
+
+
+def test_shutdown_tells_the_requests_in_flight_and_frees_their_blocks(model, tok):
+    """A server shutting down answers what is in flight 503 (EngineDead), not a step error, and the core
+    withdraws the requests first. The step is slowed so that 200 tokens cannot finish before the shutdown."""
+    from kvpage.server.engine_loop import EngineLoop
+    llm = make_llm(model, tok, num_kv_blocks=64)
+    runner, execute = llm.llm_engine.runner, llm.llm_engine.runner.execute
+    runner.execute = lambda out: (time.sleep(0.05), execute(out))[1]
+
+    async def main():
+        engine_loop = EngineLoop(llm)
+        engine_loop.start()
+        outputs = asyncio.Queue()
+        await engine_loop.add_request("r", None, [5, 7, 9], SamplingParams(max_tokens=200, ignore_eos=True), None,
+                                      outputs)
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown)
+        while not isinstance(item := await asyncio.wait_for(outputs.get(), 30), Exception):
+            assert not item.finished
+        return item
+    try:
+        error = asyncio.run(main())
+        assert isinstance(error, EngineDead) and "shutting down" in str(error)
+        assert llm.llm_engine.block_manager.device.num_used == 0 and not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()

@@ -46,7 +46,8 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None:
-        """Fail what is in flight (one last batch) and stop the core; returns once it stopped."""
+        """Withdraw what is in flight and stop the core (the caller tells the requests); returns once it
+        stopped."""
 
     @property
     @abstractmethod

@@ -40,7 +40,7 @@ class AbortRequests:
 
 
 class Stop:
-    """Inbox command: fail what is in flight ("shutting down") and end the loop."""
+    """Inbox command: withdraw what is in flight and end the loop (the client tells the requests)."""
 
 
 @dataclass
@@ -99,8 +99,8 @@ class EngineCore:
             stop = any(isinstance(c, Stop) for c in commands)
             try:
                 self._apply(commands, batch)
-                if stop:
-                    self._fail(batch, "the server is shutting down", None)
+                if stop:  # their blocks back; the client tells their requests (503: shutting down)
+                    self.engine.abort_request(self._in_flight())
                 elif engine.has_unfinished_requests():
                     self._step(batch)
             except Exception as e:
