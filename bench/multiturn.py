@@ -85,9 +85,10 @@ def start_vllm(model: Path, log_dir: Path, name: str, num_kv_tokens: int, offloa
 
     env = vllm_launcher.vllm_env(1, torch.get_num_threads())
     num_blocks = num_kv_tokens // vllm_launcher.VLLM_BLOCK_SIZE
-    # Its max model length must fit the pool (it refuses to start otherwise): a conversation's last turn does.
+    # Its max model length must fit the pool less its null block (it refuses to start otherwise); a
+    # conversation's last turn still fits.
     extra = ["--num-gpu-blocks-override", str(num_blocks), "--max-model-len",
-             str(num_blocks * vllm_launcher.VLLM_BLOCK_SIZE), "--enable-prompt-tokens-details"]
+             str((num_blocks - 1) * vllm_launcher.VLLM_BLOCK_SIZE), "--enable-prompt-tokens-details"]
     if offloading_gib is not None:
         extra += ["--kv-offloading-size", str(offloading_gib), "--kv-offloading-backend", "native"]
     # Its first start compiles the model (torch.compile): over 10 minutes on a loaded 2-core VM.
