@@ -2,7 +2,7 @@
 
 No torch and no compiled extension here, so the scheduler's decisions are testable without a model.
 """
-from .block_manager import BlockManager, BlockManagerStats, BlockMapping
+from .block_manager import BlockManager, BlockManagerStats, BlockMapping, CacheConfig
 from .block_pool import BlockPool
 from .block_table import num_blocks_for, slot_mapping
 from .hashing import ROOT_HASH, hash_block_tokens
@@ -13,14 +13,14 @@ from .prefix_cache import BlockKey, PrefixCache
 from .sequence import Sequence, SequenceGroup
 
 __all__ = [
-    "BlockKey", "BlockManager", "BlockManagerStats", "BlockMapping", "BlockPool", "InvariantError",
+    "BlockKey", "BlockManager", "BlockManagerStats", "BlockMapping", "CacheConfig", "BlockPool", "InvariantError",
     "PrefixCache", "ROOT_HASH", "Sequence", "SequenceGroup", "check_block_manager", "hash_block_tokens",
     "num_blocks_for", "slot_mapping",
     "NULL_BLOCK", "KVCacheGroup", "KVCacheLayout", "first_kept_block", "kv_cache_layout", "num_blocks_per_group",
     "num_blocks_per_seq",
 ]
 
-# The scheduler (issue 4): request state, victim policies, the swap-versus-recompute cost model.
+# The scheduler: request state, victim policies, the swap-versus-recompute cost model.
 from .preemption_cost import MeasuredCostModel, PreemptionCostModel, cost_model_from_measurements  # noqa: E402
 from .policies import LeastProgressLost, MostRecentlyAdmitted, VictimPolicy, get_policy  # noqa: E402
 from .request import FinishReason, Request, RequestStatus  # noqa: E402
