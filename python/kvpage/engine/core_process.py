@@ -115,8 +115,13 @@ class EngineCore:
                 return
 
     def _apply(self, commands: list, batch: EngineCoreOutputs) -> None:
+        # A request withdrawn before the core took it (its client gone at once) never enters the engine:
+        # added then aborted in one go would leave it unfinished between the two.
+        withdrawn = {rid for c in commands if isinstance(c, AbortRequests) for rid in c.request_ids}
         for c in commands:
-            if isinstance(c, AddRequest):
+            if isinstance(c, AddRequest) and c.request_id in withdrawn:
+                batch.added.append(c.request_id)  # answered all the same: nobody waits on it any more
+            elif isinstance(c, AddRequest):
                 try:
                     self.engine.add_request(c.request_id, c.prompt, c.params, prompt_token_ids=c.token_ids,
                                             stream=True, cache_salt=c.cache_salt)
