@@ -35,6 +35,7 @@ SCRIPTS = {
     "full_prefix_hit": (["bench/full_prefix_hit.py", "--quick", "--model", TINY], "full_prefix_hit_quick.json"),
     "beam_search": (["bench/beam_search.py", "--quick", "--model", TINY], "beam_search_quick.json"),
     "profile_engine": (["bench/profile_engine.py", "--quick", "--model", TINY], None),
+    "spec_decode": (["bench/spec_decode.py", "--quick", "--model", TINY], "spec_decode_quick.json"),
     "mathlab_chunked_prefill": (["bench/mathlab/chunked_prefill.py", "--quick", "--model", TINY],
                                 "mathlab/chunked_prefill_quick.json"),
     "mathlab_copy_on_write": (["bench/mathlab/copy_on_write.py", "--quick", "--model", TINY],
