@@ -1,7 +1,8 @@
-"""The range-check debug switch (kvpage.ops.config): off by default, KVPAGE_RANGE_CHECKS=1 turns it on (the
-test suite runs with it on). On, an out-of-range index is an exception naming the argument; off, no op runs a
-range check (the extension counts them), so no index tensor is read on the host: on a GPU, no device sync.
-Bad indices are only ever passed with the switch on, so no kernel here reads out of bounds."""
+"""The range checks (kvpage.ops.config): by default on for CPU tensors (no sync there) and off for GPU tensors
+(a device sync per op); KVPAGE_RANGE_CHECKS=1 / 0 turns them on / off everywhere (the test suite runs with
+them on). On, an out-of-range index is an exception naming the argument; off, no op runs a range check (the
+extension counts them), so no index tensor is read on the host. Bad indices are only ever passed with the
+checks on, so no kernel here reads out of bounds."""
 import os
 import subprocess
 import sys
@@ -33,16 +34,19 @@ def test_range_checks_toggle_and_restore():
     assert ops.range_checks_enabled()
 
 
-def test_the_switch_is_off_by_default_and_on_with_the_environment_variable():
-    """A fresh process each: the variable is read once, at import."""
-    code = "from kvpage.ops import config; print(config.range_checks_enabled())"
+def test_the_default_is_per_device_and_the_environment_variable_sets_it_everywhere():
+    """A fresh process each: the variable is read once, at import. The default keys on is_cuda, so a
+    stand-in with is_cuda plays a GPU tensor here."""
+    code = ("import torch; from kvpage.ops import config; gpu = type('T', (), {'is_cuda': True})();"
+            " print(config.range_checks_enabled(torch.zeros(1)), config.range_checks_enabled(gpu))")
     env = {k: v for k, v in os.environ.items() if k != config.RANGE_CHECKS_ENV}
 
     def run(**extra):
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
 
-    assert run().stdout.split() == ["False"]
-    assert run(KVPAGE_RANGE_CHECKS="1").stdout.split() == ["True"]
+    assert run().stdout.split() == ["True", "False"]
+    assert run(KVPAGE_RANGE_CHECKS="1").stdout.split() == ["True", "True"]
+    assert run(KVPAGE_RANGE_CHECKS="0").stdout.split() == ["False", "False"]
     bad = run(KVPAGE_RANGE_CHECKS="maybe")
     assert bad.returncode != 0 and "KVPAGE_RANGE_CHECKS must be 1 or 0" in bad.stderr
 
@@ -127,3 +131,11 @@ def test_with_the_switch_on_an_out_of_range_index_is_named(name, make_args, chan
     with pytest.raises(ValueError, match=match):
         getattr(ops, name)(**{**make_args(), **changes})
     assert range_checks_run() > before
+
+
+def test_by_default_a_cpu_op_still_names_an_out_of_range_index():
+    """The public ops' promise (design.md): bad input never reads out of bounds, with no setting made."""
+    name, make_args, changes, match = OUT_OF_RANGE[0]
+    with ops.range_checks(None):
+        with pytest.raises(ValueError, match=match):
+            getattr(ops, name)(**{**make_args(), **changes})

@@ -202,7 +202,7 @@ class FusedCpuLayer:
         key_cache, value_cache = kv_cache
         return _decoder_layer_op(x, self.weights, self.biases, self.widths, self.epsilons, self.scale, cos, sin,
                                  key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, meta.max_query_len, range_checks_enabled(),
+                                 meta.query_start_loc, meta.max_query_len, range_checks_enabled(x),
                                  **attention_options(self.sliding_window, None, None))
 
 

@@ -70,7 +70,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     elif isinstance(partition_size, bool) or not isinstance(partition_size, int) or partition_size <= 0:
         raise ValueError(f"partition_size must be a positive int, got {partition_size!r}")
     ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                        partition_size, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
+                        partition_size, range_checks_enabled(query), _checks.kv_scale(k_scale, "k_scale"),
                         _checks.kv_scale(v_scale, "v_scale"), lse, *options)
     return _result(out, lse, return_lse)
 
@@ -95,7 +95,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         _checks.require_tensor(t, name)
     scale = _checks.default_scale(scale, query.shape[-1] if query.dim() else 1)
     ops.paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                seq_lens, scale, range_checks_enabled(), _checks.kv_scale(k_scale, "k_scale"),
+                                seq_lens, scale, range_checks_enabled(query), _checks.kv_scale(k_scale, "k_scale"),
                                 _checks.kv_scale(v_scale, "v_scale"), lse, *options)
     return _result(out, lse, return_lse)
 

@@ -70,7 +70,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         _checks.require_tensor(t, name)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, range_checks_enabled(),
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, range_checks_enabled(key_cache),
                           _checks.kv_scale(k_scale, "k_scale"), _checks.kv_scale(v_scale, "v_scale"))
 
 
@@ -79,7 +79,7 @@ def copy_blocks(key_caches, value_caches, block_mapping):
     key_caches = _checks.tensor_list(key_caches, "key_caches")
     value_caches = _checks.tensor_list(value_caches, "value_caches")
     mapping = _checks.as_block_mapping(block_mapping)
-    ops.copy_blocks(key_caches, value_caches, mapping, range_checks_enabled())
+    ops.copy_blocks(key_caches, value_caches, mapping, range_checks_enabled(mapping))
 
 
 def swap_blocks(src, dst, block_mapping):
@@ -88,4 +88,4 @@ def swap_blocks(src, dst, block_mapping):
     src = _checks.tensor_list(src, "src")
     dst = _checks.tensor_list(dst, "dst")
     mapping = _checks.as_block_mapping(block_mapping)
-    ops.swap_blocks(src, dst, mapping, range_checks_enabled())
+    ops.swap_blocks(src, dst, mapping, range_checks_enabled(mapping))
