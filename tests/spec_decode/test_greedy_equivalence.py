@@ -123,9 +123,10 @@ def test_draft_model_other_random_model(tiny_dir, draft_dir, reference):
 
 
 def test_ineligible_requests_do_not_speculate(tiny_dir):
-    """Penalties, logprobs and beam search decode one token a step; their outputs are unchanged."""
+    """Penalties, min_tokens and beam search decode one token a step; their outputs are unchanged (logprobs=k
+    requests speculate: test_logprobs)."""
     params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=20, logprobs=2),
               SamplingParams(max_tokens=12, beam_width=2)]
     prompts = PROMPTS[:3]
     ref, _ = run(tiny_dir, prompts, params)

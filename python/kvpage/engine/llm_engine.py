@@ -64,6 +64,9 @@ class _Sample:
     cumulative_logprob: float = 0.0
     detok: IncrementalDetokenizer | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per output token, where params.logprobs is set
+    # [spec decode] the last speculative step's tokens: (token count after it, cumulative_logprob before it,
+    # its tokens' logprobs), for a stop string inside the run to take back the tokens it cuts.
+    spec_run: tuple[int, float, list[float]] | None = None
 
 
 @dataclass
@@ -359,10 +362,38 @@ class LLMEngine:
                 continue
             if state.first_token_time is None:
                 state.first_token_time = now
-            state.samples[state.index_of.get(s.seq_id, 0)].cumulative_logprob += sum(verified.logprobs)
-            self.num_generation_tokens += len(verified.tokens)
+            index = state.index_of.get(s.seq_id, 0)
+            seq = state.request.seqs[index]
+            kept = max(0, seq.num_tokens - 1 - s.start)  # appended by the scheduler, up to the first stop
+            self._add_spec_run(state.samples[index], seq.num_tokens, verified, kept)
+            self.num_generation_tokens += kept
         if self.num_steps % 256 == 0:
             self.spec_decode.forget(seq.seq_id for seq in self.scheduler.sequences())
+
+    def _add_spec_run(self, sample: _Sample, num_tokens: int, verified, kept: int) -> None:
+        """[spec decode] The log-probabilities of the run's first `kept` tokens (those the sequence took), added
+        one token at a time as decoding adds them, so that the sums agree."""
+        sample.spec_run = (num_tokens, sample.cumulative_logprob, verified.logprobs[:kept])
+        for k in range(kept):
+            sample.cumulative_logprob += verified.logprobs[k]
+            if sample.logprobs is not None:
+                sample.logprobs.append(self._logprob_dict(verified.tokens[k], verified.logprobs[k],
+                                                          verified.top_logprobs[k]))
+
+    @staticmethod
+    def _take_back_spec_run(seq, sample: _Sample, end: int) -> None:
+        """[spec decode] A stop string at token count `end`, inside the last speculative step's run: the
+        run's tokens past it leave the output's log-probabilities (the sum is redone, not subtracted from)."""
+        if sample.spec_run is None or sample.spec_run[0] != seq.num_tokens or end >= seq.num_tokens:
+            return
+        _, cumulative, logprobs = sample.spec_run
+        cut = min(seq.num_tokens - end, len(logprobs))
+        for lp in logprobs[:len(logprobs) - cut]:
+            cumulative += lp
+        sample.cumulative_logprob = cumulative
+        if sample.logprobs is not None:
+            del sample.logprobs[len(sample.logprobs) - cut:]
+        sample.spec_run = None
 
     def _check_progress(self, out: SchedulerOutput) -> None:
         self._idle_steps = 0 if not out.is_empty else self._idle_steps + 1
@@ -510,6 +541,7 @@ class LLMEngine:
                     sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
                     sample.detok.stopped = True
                     self._finish_sequence(state.request, seq)
+                    self._take_back_spec_run(seq, sample, end)  # [spec decode]
                     del seq.token_ids[end:]  # [spec decode] tokens a step accepted past the stop string
                     break
 

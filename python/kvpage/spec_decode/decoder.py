@@ -4,9 +4,9 @@ sequence) and the sampler (verification of the k + 1 logits rows a speculating s
 Back-off (so that work the proposals do not fit costs little): each sequence proposes at most its own k,
 which shrinks to one past what was last accepted and grows back by two after a fully accepted run; after
 runs with nothing accepted the sequence stops proposing for 2, 4, ... up to 32 steps, then tries again.
-Speculation is off for requests whose logits depend on the tokens inside the run or that want what a
-speculative step does not compute: beam search, penalties, logit_bias / allowed_token_ids, bad_words,
-logprobs, and min_tokens not yet reached.
+Speculation is off for requests whose logits depend on the tokens inside the run: beam search, penalties,
+logit_bias / allowed_token_ids, bad_words, and min_tokens not yet reached. logprobs=k requests speculate: the
+verification reports each kept token's log-probability, rank and top-k from its own logits row.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class SpecDecode:
 def eligible(params, num_output_tokens: int) -> bool:
     """Whether a request's next tokens may be speculated (see the module's docstring)."""
     return not (params.use_beam_search or params.uses_penalties or params.uses_token_bias or params.bad_words
-                or params.logprobs is not None or num_output_tokens < params.min_tokens)
+                or num_output_tokens < params.min_tokens)
 
 
 class NgramSeqProposer:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.engine.sampler import _min_p, _scale, _top_k_top_p, seed_key
+from kvpage.engine.sampler import TopLogprobs, _min_p, _scale, _top_k_top_p, rank_and_top, seed_key
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Verified:
     tokens: list[int]  # accepted drafts, then the target's own token
     logprobs: list[float]  # each token's log-probability under the target's raw logits
     num_accepted: int
+    top_logprobs: list[TopLogprobs] | None = None  # per token, where the request asks for logprobs=k
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -61,8 +62,8 @@ class Verifier:
                 tokens, accepted = _accept_greedy(row.drafts, argmax[start:start + n])
             else:
                 tokens, accepted = self._accept_sampled(logits[start:start + n], row)
-            lps = logp[torch.arange(start, start + len(tokens)), torch.tensor(tokens)].tolist()
-            out.append(Verified(tokens, lps, accepted))
+            lps, top = _logprobs(logp[start:start + len(tokens)], tokens, row.params)
+            out.append(Verified(tokens, lps, accepted, top))
             start += n
         return out
 
@@ -92,6 +93,16 @@ class Verifier:
         if seed is None:
             return self.generator
         return self._row_generator.manual_seed(seed_key(seed, row.sample_index, row.position + offset))
+
+
+def _logprobs(logp: torch.Tensor, tokens: list[int], params) -> tuple[list[float], list[TopLogprobs] | None]:
+    """The tokens' log-probabilities (rows of a log-softmax, one per token) and, for logprobs=k, each one's
+    rank and top-k, as the sampler reports them for tokens decoded one at a time."""
+    ids = torch.tensor(tokens)
+    if params.logprobs is None:
+        return logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist(), None
+    own, top = rank_and_top(logp, ids, params.logprobs)
+    return own.tolist(), top
 
 
 def _accept_greedy(drafts: list[int], argmax: list[int]) -> tuple[list[int], int]:
