@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from fake_runner import Arrival, FakeRunner, StepFailed, all_seqs, assert_pool_whole, drive, expected_outputs  # noqa: E402
+from fake_runner import (LAYOUTS, Arrival, FakeRunner, StepFailed, all_seqs, assert_pool_whole, drive,  # noqa: E402
+                         expected_outputs)
 
-from kvpage.core import BlockManager, RequestStatus, Scheduler  # noqa: E402
+from kvpage.core import NULL_BLOCK, BlockManager, RequestStatus, Scheduler, kv_cache_layout  # noqa: E402
 from kvpage.core.block_moves import live_blocks  # noqa: E402
 from kvpage.kv_offload import HostMemoryTier, OffloadingConnector  # noqa: E402
 
@@ -39,7 +40,7 @@ class TierFakeRunner(FakeRunner):
     else this step writes, loads write the tier's bytes into their fresh blocks."""
 
     def __init__(self, scheduler: Scheduler, tier, fail_steps=()) -> None:
-        super().__init__(scheduler.bm.block_size)
+        super().__init__(scheduler.bm.block_size, scheduler.bm.sliding_windows)
         self.scheduler, self.tier, self.fail_steps = scheduler, tier, set(fail_steps)
         self.num_loads = 0
         scheduler.fake_runner = self
@@ -62,11 +63,12 @@ class TierFakeRunner(FakeRunner):
         return super().execute(out, expected_tokens)
 
 
-def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write_through=False, **kwargs):
-    bm = BlockManager(num_blocks, block_size, num_host_blocks, True, 0.0)
+def tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write_through=False, layout=None,
+                     **kwargs):
+    bm = BlockManager(num_blocks, block_size, num_host_blocks, True, 0.0, kv_cache_layout=layout)
     s = Scheduler(bm, **kwargs)
     tier = HostMemoryTier(tier_blocks * block_size * 8)
-    connector = OffloadingConnector(tier, block_size)
+    connector = OffloadingConnector(tier, block_size, sliding_windows=bm.sliding_windows)
     s.kv_connector = connector
     if write_through:  # the runner made below saves the blocks each step filled
         connector.save_now = lambda stores: s.fake_runner.save(stores)
@@ -98,15 +100,18 @@ arrival = st.builds(lambda step, prefix, suffix, max_tokens, n: (step, prefix + 
 @given(arrivals=st.lists(arrival, min_size=1, max_size=12), block_size=st.sampled_from([1, 2, 4]),
        num_blocks=st.integers(24, 60), num_host_blocks=st.integers(0, 30), tier_blocks=st.integers(1, 64),
        max_num_batched_tokens=st.integers(4, 48), mode=st.sampled_from([None, "swap", "recompute"]),
-       fail_steps=st.sets(st.integers(0, 60), max_size=3), write_through=st.booleans())
+       fail_steps=st.sets(st.integers(0, 60), max_size=3), write_through=st.booleans(),
+       layout=st.sampled_from(LAYOUTS))
 def test_random_workloads_through_a_tier(arrivals, block_size, num_blocks, num_host_blocks, tier_blocks,
-                                         max_num_batched_tokens, mode, fail_steps, write_through):
+                                         max_num_batched_tokens, mode, fail_steps, write_through, layout):
+    """Every layout of the scheduler tests (hybrid ones too: the fake runner checks each window group reads
+    exactly its window's tokens, so a loaded block in the wrong place, or a window block left unloaded, fails)."""
     # Each prompt comes twice, the second time late, so its blocks were likely evicted to the tier meanwhile.
     arrivals = arrivals + [(step + 40, prompt, max_tokens, n) for step, prompt, max_tokens, n in arrivals]
     arrivals = [Arrival(step, f"r{i}", [p % 10 for p in prompt] or [1], max_tokens, n)
                 for i, (step, prompt, max_tokens, n) in enumerate(arrivals)]
     s, tier, connector = tiered_scheduler(num_blocks, block_size, num_host_blocks, tier_blocks, write_through,
-                                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
+                                          layout, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8,
                                           preemption_mode=mode)
     runner = TierFakeRunner(s, tier, fail_steps)
     result = drive(s, arrivals, max_steps=20_000, allow_rejects=True, runner=runner)
@@ -194,21 +199,49 @@ def test_a_pickled_scheduler_copy_gets_an_inert_connector(tmp_path):
     connector.tier.close()
 
 
-def _entry(tokens, i, bs):
+def _entry(tokens, i, bs, group=0):
     from kvpage.core import Sequence
+    from kvpage.core.hashing import group_key
     from kvpage.kv_offload.connector import block_hash, block_key
     seq = Sequence(0, tokens)
-    key = block_key(seq, i, bs)
-    return block_hash(seq, i, bs), key, key.token_bytes
+    key = block_key(seq, i, bs, group)
+    return group_key(block_hash(seq, i, bs), group), key, key.token_bytes
+
+
+@pytest.mark.parametrize("missing", [None, 7, 3])
+def test_hybrid_hit_loads_each_window_only_inside_it(missing):
+    """Layout [full, window 8], blocks of 4, a 33-token prompt all in the tier: a hit of 8 blocks loads the full
+    group's 8 and the window group's 2 of the window ending at token 32; the window group's other entries are
+    NULL_BLOCK, drawn from nothing. Without the window entry of block 7 the hit shortens to 7 blocks (window
+    [5, 7)); without block 3's (outside every window that fits) nothing changes."""
+    s, tier, connector = tiered_scheduler(24, 4, 0, 64, layout=kv_cache_layout([None, 8]), max_num_batched_tokens=64)
+    prompt = [(7 * i) % 9 + 1 for i in range(33)]
+    for i in range(8):
+        for g in (0, 1):
+            if (g, i) != (1, missing):
+                tier.put(*_entry(prompt, i, 4, g))
+    free_before = s.bm.num_free_blocks
+    s.add_request("x", prompt, max_tokens=2)
+    out = s.schedule()
+    hit_blocks, window_start = (7, 5) if missing == 7 else (8, 6)
+    loads = out.kv_connector_meta.loads
+    assert len(loads) == hit_blocks + (hit_blocks - window_start)
+    seq = s.requests["x"].seqs[0]
+    assert seq.block_tables[1][:window_start] == [NULL_BLOCK] * window_start
+    assert NULL_BLOCK not in seq.block_tables[0] and NULL_BLOCK not in seq.block_tables[1][window_start:]
+    held = sum(1 for table in seq.block_tables for b in table if b != NULL_BLOCK)
+    assert free_before - s.bm.num_free_blocks == held
+    assert connector.hit_tokens == 4 * hit_blocks and out.num_batched_tokens == 33 - 4 * hit_blocks
+    runner = TierFakeRunner(s, tier)  # the loaded blocks hold exactly the tokens each window reads
+    s.update_from_output(out, runner.execute(out, lambda seq_id: s._seqs[seq_id].token_ids))
+    drive(s, [], runner=runner)
+    assert [seq.output_token_ids] == expected_outputs(prompt, 2)
+    assert_pool_whole(s.bm)
 
 
 def test_unsupported_layouts_are_refused_by_name():
-    from kvpage.core import kv_cache_layout
     from kvpage.kv_offload import attach_offloading
 
-    hybrid = BlockManager(32, 4, kv_cache_layout=kv_cache_layout([None, 8]))
-    with pytest.raises(ValueError, match="hybrid KV cache"):
-        attach_offloading(object(), None, hybrid, Scheduler(hybrid), 0.01, None)
     no_cache = BlockManager(32, 4, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         attach_offloading(object(), None, no_cache, Scheduler(no_cache), 0.01, None)

@@ -8,7 +8,7 @@ from typing import Iterable
 from .block_moves import BlockMapping, live_blocks, move_tables, num_unique_blocks, on_device, on_host
 from .block_pool import BlockPool
 from .block_table import blocks_to_append, num_blocks_for, slot_mapping
-from .kv_cache_groups import FULL_ATTENTION_LAYOUT, NULL_BLOCK, KVCacheLayout
+from .kv_cache_groups import FULL_ATTENTION_LAYOUT, NULL_BLOCK, KVCacheLayout, first_kept_block
 from .prefix_match import PrefixMatcher, num_hit_tokens
 from .sequence import Sequence, SequenceLike, as_seqs
 
@@ -140,25 +140,29 @@ class BlockManager:
         """
         return num_hit_tokens(seq, len(self._match_prefix(seq, use_prefix_cache)[0]), self.block_size)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True) -> bool:
-        """Whether `allocate(seq, num_new_tokens)` fits and still leaves the watermark free."""
-        hits = self._match_prefix(seq, use_prefix_cache)
-        num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True,
+                     num_external_tokens: int = 0) -> bool:
+        """Whether `allocate(seq, num_new_tokens, ...)` fits and still leaves the watermark free."""
+        hits, skips = self._external_hits(seq, self._match_prefix(seq, use_prefix_cache), num_external_tokens)
+        num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens, skips)
         return num_new_blocks + num_revived <= self.device.num_free_blocks - self.watermark_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None, use_prefix_cache: bool = True,
-                 count_hits: bool = True) -> int:
+                 count_hits: bool = True, num_external_tokens: int = 0) -> int:
         """Give a waiting sequence blocks for its cached prefix plus the next `num_new_tokens` tokens.
 
         `num_new_tokens` counts tokens past the cached prefix to compute this step (None: all the
         rest; 0, where there are hits: the cached prefix only). Only those get blocks now; later chunks and decode grow the table via append_slots.
         Sets and returns seq.num_computed_tokens, the number of prefix-cache hit tokens.
         count_hits=False: leave the prefix-cache statistics alone (a re-admission after preemption).
+        num_external_tokens: [kv tier] of num_new_tokens, the first ones a KV connector loads (whole blocks
+        right after the cached prefix): a window group gets NULL_BLOCK, no block, where a loaded position is
+        outside the window that ends at the load's end (nothing is loaded there, nothing will read it).
         """
         if seq.block_table or seq.swapped:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; allocate is for waiting sequences")
-        hits = self._match_prefix(seq, use_prefix_cache)
-        num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens)
+        hits, skips = self._external_hits(seq, self._match_prefix(seq, use_prefix_cache), num_external_tokens)
+        num_new_blocks, num_revived = self._plan_allocation(seq, hits, num_new_tokens, skips)
         needed = num_new_blocks + num_revived
         if needed > self.device.num_free_blocks:
             raise RuntimeError(f"cannot allocate seq {seq.seq_id}: needs {needed} blocks,"
@@ -169,9 +173,11 @@ class BlockManager:
             for block_id in table:
                 if block_id != NULL_BLOCK:
                     pool.incref(block_id)
-        per_group = num_new_blocks // self.num_groups
-        seq.block_tables = [table + [self._draw(g) for _ in range(per_group)] for g, table in enumerate(hits)]
-        num_cached = num_hit_tokens(seq, len(hits[0]), self.block_size)
+        num_hit_blocks = len(hits[0])
+        per_group = self._blocks_per_group(seq, num_hit_blocks, num_new_tokens)
+        length = num_hit_blocks + per_group
+        seq.block_tables = [self._grow(g, table, skip, length) for g, (table, skip) in enumerate(zip(hits, skips))]
+        num_cached = num_hit_tokens(seq, num_hit_blocks, self.block_size)
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching and use_prefix_cache and count_hits:  # [kv tier] count_hits
             self._queried_tokens += len(seq.token_ids)
@@ -197,9 +203,19 @@ class BlockManager:
             return [[] for _ in range(self.num_groups)]
         return self._prefix.match(seq)
 
-    def _plan_allocation(self, seq: Sequence, hits: list[list[int]], num_new_tokens: int | None) -> tuple[int, int]:
+    def _plan_allocation(self, seq: Sequence, hits: list[list[int]], num_new_tokens: int | None,
+                         skips: list[int]) -> tuple[int, int]:
         """(fresh blocks to draw, over all groups; cached hits to revive): both come out of the free count."""
         num_hit_blocks = len(hits[0])
+        per_group = self._blocks_per_group(seq, num_hit_blocks, num_new_tokens)
+        refs = self.device.ref_counts
+        revived = sum(1 for table in hits for b in table if b != NULL_BLOCK and refs[b] == 0)
+        # [kv tier] a window group draws nothing for the NULL_BLOCK entries a load skips (skips: _external_hits)
+        skipped = sum(max(0, skip - num_hit_blocks) for skip in skips)
+        return per_group * self.num_groups - skipped, revived
+
+    def _blocks_per_group(self, seq: Sequence, num_hit_blocks: int, num_new_tokens: int | None) -> int:
+        """Table entries each group adds past a hit of num_hit_blocks for num_new_tokens (None: all the rest)."""
         num_cached = num_hit_tokens(seq, num_hit_blocks, self.block_size)
         remaining = len(seq.token_ids) - num_cached
         if num_new_tokens is None:
@@ -209,10 +225,31 @@ class BlockManager:
             raise ValueError(f"num_new_tokens must be in [{1 if not num_hit_blocks else 0}, {remaining}] for seq"
                              f" {seq.seq_id}, got {num_new_tokens}")
         # Every group grows alike: a window group writes (and this step's queries read) all the new blocks.
-        per_group = max(0, num_blocks_for(num_cached + num_new_tokens, self.block_size) - num_hit_blocks)
-        refs = self.device.ref_counts
-        revived = sum(1 for table in hits for b in table if b != NULL_BLOCK and refs[b] == 0)
-        return per_group * self.num_groups, revived
+        return max(0, num_blocks_for(num_cached + num_new_tokens, self.block_size) - num_hit_blocks)
+
+    def _external_hits(self, seq: Sequence, hits: list[list[int]],
+                       num_external_tokens: int) -> tuple[list[list[int]], list[int]]:
+        """[kv tier] (the pool's hits, each group's first logical block it holds) once num_external_tokens
+        more are loaded right after the hit: a window group's entries before the window at the load's end
+        are NULL_BLOCK (pool hits there are not revived; loaded positions there get no block); 0 elsewhere."""
+        if not num_external_tokens:
+            return hits, [0] * self.num_groups
+        bs = self.block_size
+        start = len(hits[0]) * bs
+        if num_external_tokens < 0 or num_external_tokens % bs or start + num_external_tokens >= len(seq.token_ids):
+            raise ValueError(f"num_external_tokens must be whole blocks of {bs} after seq {seq.seq_id}'s cached"
+                             f" prefix ({start} tokens), leaving its last token, got {num_external_tokens}")
+        end = start + num_external_tokens
+        skips = [first_kept_block(end, w, bs) for w in self.sliding_windows]
+        hits = [table if not skip else [NULL_BLOCK] * min(skip, len(table)) + table[skip:]
+                for table, skip in zip(hits, skips)]
+        return hits, skips
+
+    def _grow(self, group: int, table: list[int], skip: int, length: int) -> list[int]:
+        """`table` extended to `length` entries: NULL_BLOCK up to logical block `skip` ([kv tier] a load's
+        positions outside a window), fresh blocks after."""
+        nulls = max(0, min(skip, length) - len(table))
+        return table + [NULL_BLOCK] * nulls + [self._draw(group) for _ in range(length - len(table) - nulls)]
 
     def _draw(self, group: int) -> int:
         """A fresh device block for one of `group`'s tables."""

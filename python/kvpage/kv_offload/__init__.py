@@ -43,9 +43,6 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
     tier does not support: a hybrid KV cache (several KV-cache groups), tensor / context parallelism (a
     runner without its own cache), prefix caching off."""
     check_offloading_options(kv_offloading_size, kv_offloading_dir)
-    if block_manager.num_groups > 1:
-        raise ValueError(f"kv_offloading_size / kv_offloading_dir are not supported with a hybrid KV cache (this model"
-                         f" has {block_manager.num_groups} KV-cache groups: sliding-window and full layers)")
     if block_manager.device.cache is None:
         raise ValueError("kv_offloading_size / kv_offloading_dir need enable_prefix_caching=True (the tier holds"
                          " the prefix cache's evicted blocks)")
@@ -67,7 +64,8 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
         tier = HostMemoryTier(capacity)
     worker = KVOffloadWorker(runner, tier)
     connector = OffloadingConnector(tier, block_manager.block_size, save_now=worker.save,
-                                    recompute_seconds=recompute_pricer(scheduler.config.cost_model))
+                                    recompute_seconds=recompute_pricer(scheduler.config.cost_model),
+                                    sliding_windows=block_manager.sliding_windows)
     worker.load_cost = connector.load_cost
     block_manager.device.cache.on_evict = connector.on_evict
     scheduler.kv_connector = connector
@@ -93,8 +91,7 @@ def persist_cached_blocks(worker, connector, block_manager) -> int:
     """Store every block the pool's prefix cache indexes that the tier lacks, and wait for the writes:
     what a restart finds warm beyond the blocks the pool had evicted. Returns the blocks stored."""
     cache = block_manager.device.cache
-    stores = [(h, cache.key_of(b), b) for h, b in cache.indexed()
-              if not cache.key_of(b).group and not connector.tier.contains(h)]
+    stores = [(h, cache.key_of(b), b) for h, b in cache.indexed() if not connector.tier.contains(h)]
     for i in range(0, len(stores), 64):  # the disk tier's write queue takes a bounded number at a time
         worker.save(stores[i:i + 64])
         connector.tier.flush()

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from kvpage.core.hashing import ROOT_HASH, pack_tokens
+from kvpage.core.hashing import ROOT_HASH, group_key, pack_tokens
+from kvpage.core.kv_cache_groups import NULL_BLOCK, first_kept_block
 from kvpage.core.prefix_cache import BlockKey
 from kvpage.core.sequence import Sequence
 
@@ -35,6 +36,10 @@ class KVConnectorMeta:
 
     loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, payload)
     stores: list[tuple[bytes, BlockKey, int]] = field(default_factory=list)  # (block hash, key, device block)
+    # Each load's (tier hash, key), in loads' order: under tensor parallelism every other rank loads its own
+    # shard of the block from its own tier (kv_offload.tp), already verified when the scheduler matched it.
+    load_keys: list[tuple[bytes, BlockKey]] = field(default_factory=list)
+    touches: list[bytes] = field(default_factory=list)  # tier entries used again (their LRU position)
 
     def load_block_ids(self) -> list[int]:
         return [block_id for block_id, _ in self.loads]
@@ -66,19 +71,25 @@ class OffloadingConnector(KVConnectorBase):
     """A tier (kv_offload.tiers) behind the pool's prefix cache: evicted blocks are stored into it, and
     a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
 
-    def __init__(self, tier, block_size: int, save_now=None, recompute_seconds=None) -> None:
+    def __init__(self, tier, block_size: int, save_now=None, recompute_seconds=None,
+                 sliding_windows: tuple[int | None, ...] = (None,)) -> None:
         """save_now(stores): the worker's save, called right after a step committed with the blocks it
         filled (write-through: a process killed right after still leaves them in a disk tier). None: blocks
         reach the tier only when the pool evicts them. recompute_seconds(num_tokens): what prefilling them
-        would cost (the scheduler's cost model), against which a hit's load is priced; None: always load."""
+        would cost (the scheduler's cost model), against which a hit's load is priced; None: always load.
+        sliding_windows: each KV-cache group's window (None: full attention), in layout order: the tier
+        holds one entry per (block hash, group), keyed as the pool's prefix cache keys that group's blocks."""
         self.tier = tier
         self.block_size = block_size
+        self.sliding_windows = tuple(sliding_windows)
         self.save_now = save_now
         self.recompute_seconds = recompute_seconds
         self.load_cost = LoadCost()
         # The payloads the last lookup of each sequence verified (read once, loaded after allocation).
-        self._matched: dict[int, tuple[int, list[bytes]]] = {}
+        self._matched: dict[int, _Match] = {}
         self._loads: list[tuple[int, bytes]] = []
+        self._load_keys: list[tuple[bytes, BlockKey]] = []  # each load's (tier hash, key): other TP ranks' reads
+        self._touches: list[bytes] = []  # tier entries the pool's LRU used again (other TP ranks' LRUs follow)
         self._stores: list[tuple[bytes, BlockKey, int]] = []
         self._storing: set[bytes] = set()
         self.hit_tokens = 0  # first admissions only: a recompute after preemption is no cache hit
@@ -96,70 +107,127 @@ class OffloadingConnector(KVConnectorBase):
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
-        """Whole blocks from num_computed_tokens on that the tier holds, verified, stopping at the first
-        miss and before the prompt's last token (which must run for its logits); 0 where the cost model
-        prices recomputing them cheaper than loading them (as the scheduler prices swap vs recompute)."""
+        """Whole blocks from num_computed_tokens on that the tier holds for every KV-cache group, verified,
+        before the prompt's last token (which must run for its logits); 0 where the cost model prices
+        recomputing them cheaper than loading them (as the scheduler prices swap vs recompute).
+
+        A hit of h blocks needs, from the tier, each full-attention group's blocks [first, h) and each
+        sliding-window group's blocks of the window that ends at h (vLLM's hybrid rule; the pool's own hit
+        below `first` already holds the window's part there): a group that cannot supply its part shortens
+        the hit, and so does a block that fails its checks when read."""
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0  # the pool's full hit: nothing past it
         first = num_computed_tokens // bs
         limit = (len(seq.token_ids) - 1) // bs
-        cached = self._matched.get(seq.seq_id)
-        payloads = list(cached[1]) if cached is not None and cached[0] == first else []
-        held = self._num_held(seq, first + len(payloads), limit)  # index look-ups only: nothing read yet
-        if not payloads and held and not self._worth_loading(held):
-            self.declined_blocks += held
+        match = self._matched.get(seq.seq_id)
+        if match is None or match.first != first:
+            match = _Match(first)
+        h = self._fit(seq, match, limit)  # index look-ups only: nothing read yet
+        if h > first and not match.payloads and not self._worth_loading(len(self._needed(first, h)), h - first):
+            self.declined_blocks += len(self._needed(first, h))
             return 0
-        start = time.perf_counter()
-        for i in range(first + len(payloads), first + len(payloads) + held):
-            payload = self.tier.get(block_hash(seq, i, bs), block_key(seq, i, bs))
-            if payload is None:  # failed its checks (or gone since): the chain stops here
-                break
-            payloads.append(payload)
-        self.load_cost.add_read(held, time.perf_counter() - start)
-        payloads = payloads[:max(0, limit - first)]
-        if payloads:
+        h = self._read(seq, match, h)
+        if h > first:
             if len(self._matched) > 8:  # only the queue's heads are looked up repeatedly
                 self._matched.clear()
-            self._matched[seq.seq_id] = (first, payloads)
+            self._matched[seq.seq_id] = match
         else:
             self._matched.pop(seq.seq_id, None)
-        return len(payloads) * bs
+        return (h - first) * bs
 
-    def _num_held(self, seq: Sequence, start: int, limit: int) -> int:
-        """Consecutive blocks from `start` (before `limit`) whose hashes the tier holds."""
-        n = 0
-        while start + n < limit and self.tier.contains(block_hash(seq, start + n, self.block_size)):
-            n += 1
-        return n
+    def _needed(self, first: int, h: int) -> list[tuple[int, int]]:
+        """(group, logical block) entries a hit of blocks [first, h) takes from the tier."""
+        bs = self.block_size
+        return [(g, i) for g, w in enumerate(self.sliding_windows)
+                for i in range(first if w is None else max(first, first_kept_block(h * bs, w, bs)), h)]
 
-    def _worth_loading(self, num_blocks: int) -> bool:
-        """Load unless the measured load cost exceeds the cost model's recompute cost for those tokens."""
+    def _fit(self, seq: Sequence, match: "_Match", limit: int) -> int:
+        """The longest hit end h <= limit every group can supply from the tier (as the block manager's
+        PrefixMatcher fits windows into the pool's hit): the full groups' common run of held blocks, then
+        shortened until each window group holds its window's blocks."""
+        bs, first = self.block_size, match.first
+
+        def held(g: int, i: int) -> bool:
+            return (g, i) in match.payloads or ((g, i) not in match.bad and
+                                                self.tier.contains(group_key(block_hash(seq, i, bs), g)))
+
+        h = first
+        full = [g for g, w in enumerate(self.sliding_windows) if w is None]
+        while h < limit and all(held(g, h) for g in full):
+            h += 1
+        windows = [(g, w) for g, w in enumerate(self.sliding_windows) if w is not None]
+        while h > first:
+            for g, w in windows:
+                lo = max(first, first_kept_block(h * bs, w, bs))
+                miss = next((i for i in range(h - 1, lo - 1, -1) if not held(g, i)), None)
+                if miss is not None:
+                    # Windows only move right as h grows: h - 1 fits this group if its window starts past
+                    # the miss, else no end above the miss does.
+                    h = h - 1 if max(first, first_kept_block((h - 1) * bs, w, bs)) > miss else miss
+                    break
+            else:
+                return h
+        return first
+
+    def _read(self, seq: Sequence, match: "_Match", h: int) -> int:
+        """Read and verify what a hit ending at h needs; a block failing its checks (or gone since) is a
+        miss from then on, and the hit is fitted again below it. Returns the hit's end."""
+        bs, first = self.block_size, match.first
+        start, num_read = time.perf_counter(), 0
+        while h > first:
+            missing = [(g, i) for g, i in self._needed(first, h) if (g, i) not in match.payloads]
+            for g, i in missing:
+                num_read += 1
+                payload = self.tier.get(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+                if payload is None:
+                    match.bad.add((g, i))
+                    break
+                match.payloads[(g, i)] = payload
+            else:
+                break
+            h = self._fit(seq, match, h)
+        self.load_cost.add_read(num_read, time.perf_counter() - start)
+        return h
+
+    def _worth_loading(self, num_blocks: int, num_hit_blocks: int) -> bool:
+        """Load unless the measured cost of loading num_blocks entries exceeds the cost model's recompute
+        cost for the hit's tokens."""
         load = self.load_cost.seconds(num_blocks)
         if load is None or self.recompute_seconds is None:
             return True  # nothing measured yet: a tier hit is presumed cheaper (it is, by far, on CPU)
-        recompute = self.recompute_seconds(num_blocks * self.block_size)
+        recompute = self.recompute_seconds(num_hit_blocks * self.block_size)
         return recompute is None or load <= recompute
 
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
-        """Load the matched blocks into `blocks` (the device blocks of those tokens, in order)."""
+        """Load the matched blocks: `blocks` are group 0's device blocks of those tokens, in order; every
+        group's table holds a fresh block where it needs the tier's bytes and NULL_BLOCK where a window
+        group needs nothing (BlockManager.allocate's num_external_tokens)."""
         if not blocks:
             return
-        _, payloads = self._matched.pop(seq.seq_id)
-        if len(payloads) < len(blocks):
-            raise RuntimeError(f"seq {seq.seq_id}: {len(blocks)} blocks to load, {len(payloads)} matched")
-        for block_id, payload in zip(blocks, payloads):
-            self._loads.append((block_id, payload))
-            self.loaded_bytes += len(payload)
-        self.loaded_blocks += len(blocks)
+        match = self._matched.pop(seq.seq_id)
+        first, h = match.first, match.first + len(blocks)
+        if seq.block_tables[0][first:h] != list(blocks):
+            raise RuntimeError(f"seq {seq.seq_id}: blocks {blocks} to load are not its table's [{first}, {h})")
+        for g, table in enumerate(seq.block_tables):
+            for i in range(first, h):
+                if table[i] == NULL_BLOCK:
+                    continue
+                payload = match.payloads.get((g, i))
+                if payload is None:
+                    raise RuntimeError(f"seq {seq.seq_id}: group {g}'s block {i} to load was not matched")
+                self._loads.append((table[i], payload))
+                self._load_keys.append((group_key(block_hash(seq, i, self.block_size), g),
+                                        block_key(seq, i, self.block_size, g)))
+                self.loaded_bytes += len(payload)
+                self.loaded_blocks += 1
         if not is_recompute:
             self.hit_tokens += len(blocks) * self.block_size
 
     def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
-        if key.group:
-            return  # hybrid layouts are refused; a group > 0 entry never reaches here
         if self.tier.contains(block_hash):
             self.tier.touch(block_hash)
+            self._touches.append(block_hash)
         elif block_hash not in self._storing:
             self._storing.add(block_hash)
             self._stores.append((block_hash, key, block_id))
@@ -173,7 +241,7 @@ class OffloadingConnector(KVConnectorBase):
         stores = []
         for block_id in block_manager.blocks_indexed_this_step():
             block_hash, key = cache.hash_of(block_id), cache.key_of(block_id)
-            if block_hash is None or key.group or block_hash in self._storing or self.tier.contains(block_hash):
+            if block_hash is None or block_hash in self._storing or self.tier.contains(block_hash):
                 continue
             stores.append((block_hash, key, block_id))
         if stores:
@@ -183,14 +251,14 @@ class OffloadingConnector(KVConnectorBase):
     def begin_step(self) -> None:
         # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
         # bytes are intact until a step runs, and the next step's meta carries them.
-        self._loads = []
+        self._loads, self._load_keys = [], []
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
-        if not self._loads and not self._stores:
+        if not self._loads and not self._stores and not self._touches:
             return None
-        meta = KVConnectorMeta(self._loads, self._stores)
+        meta = KVConnectorMeta(self._loads, self._stores, self._load_keys, self._touches)
         self.stored_blocks += len(self._stores)
-        self._loads, self._stores, self._storing = [], [], set()
+        self._loads, self._stores, self._storing, self._load_keys, self._touches = [], [], set(), [], []
         return meta
 
     def stats(self) -> dict:
@@ -204,6 +272,16 @@ class OffloadingConnector(KVConnectorBase):
             "kv_offload_blocks": len(self.tier),
             "kv_offload_bytes": self.tier.used_bytes, "kv_offload_capacity_bytes": self.tier.capacity_bytes,
         }
+
+
+@dataclass
+class _Match:
+    """One sequence's tier hit past the pool's first `first` blocks: the verified payloads read so far by
+    (group, logical block), and the entries that failed their checks (misses from then on)."""
+
+    first: int
+    payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    bad: set[tuple[int, int]] = field(default_factory=set)
 
 
 class LoadCost:
@@ -231,11 +309,11 @@ class LoadCost:
         return num_blocks * per_block
 
 
-def block_key(seq: Sequence, i: int, block_size: int) -> BlockKey:
-    """Full block i's key as the block manager's prefix cache commits to it (group 0)."""
+def block_key(seq: Sequence, i: int, block_size: int, group: int = 0) -> BlockKey:
+    """Full block i's key of KV-cache group `group` as the block manager's prefix cache commits to it."""
     parent = block_hash(seq, i - 1, block_size) if i else ROOT_HASH
     tokens = pack_tokens(seq.token_ids[i * block_size:(i + 1) * block_size])
-    return BlockKey(parent, tokens, seq.extra_keys)
+    return BlockKey(parent, tokens, seq.extra_keys, group)
 
 
 def block_hash(seq: Sequence, i: int, block_size: int) -> bytes:

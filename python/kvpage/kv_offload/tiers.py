@@ -28,13 +28,15 @@ import zlib
 from collections import OrderedDict
 from pathlib import Path
 
-from kvpage.core.hashing import HASH_SIZE
+from kvpage.core.hashing import HASH_SIZE, group_key
 from kvpage.core.prefix_cache import BlockKey
 
 logger = logging.getLogger("kvpage")
 
 MAGIC = b"KVPAGE-KVBLOCK\x00\x01"  # 16 bytes; the last byte is the file format's version
-# fingerprint, block hash, parent hash, payload checksum (16 bytes each); token bytes, extra keys, payload lengths.
+# fingerprint, block hash, parent hash, payload checksum (16 bytes each), the KV-cache group (2 bytes little-endian,
+# zero-padded to 16: zero, group 0, in files written before hybrid layouts were offloaded); token bytes, extra keys,
+# payload lengths.
 _HEADER = struct.Struct(f"<16s{HASH_SIZE}s{HASH_SIZE}s{HASH_SIZE}s16sIIQ")
 SUFFIX = ".kvb"
 # A temporary file this old is a crashed writer's, not one being written.
@@ -52,6 +54,10 @@ def _checksum(payload) -> bytes:
 def _extra_bytes(key: BlockKey) -> bytes:
     # The same repr hashing.hash_block commits to (stable for the types Sequence allows).
     return repr(key.extra_keys).encode() if key.extra_keys else b""
+
+
+def _group_bytes(key: BlockKey) -> bytes:
+    return key.group.to_bytes(2, "little") + bytes(14)
 
 
 class TierStats:
@@ -253,7 +259,8 @@ class DiskTier(_Tier):
                     st = path.stat()
                 except OSError:
                     continue
-                if path.suffix == SUFFIX and len(path.stem) == 2 * HASH_SIZE:
+                # A group > 0's name is its chain hash tagged with the group (hashing.group_key).
+                if path.suffix == SUFFIX and len(path.stem) in (2 * HASH_SIZE, 2 * HASH_SIZE + 4):
                     try:
                         found.append((st.st_mtime, bytes.fromhex(path.stem), st.st_size))
                     except ValueError:
@@ -310,20 +317,21 @@ class DiskTier(_Tier):
             return "truncated (shorter than its header)", None
         if bytes(data[:len(MAGIC)]) != MAGIC:
             return "not a kvpage block file of this format version", None
-        fp, stored_hash, parent, checksum, _, n_tokens, n_extra, n_payload = _HEADER.unpack_from(data, len(MAGIC))
+        fp, stored_hash, parent, checksum, group, n_tokens, n_extra, n_payload = _HEADER.unpack_from(data, len(MAGIC))
         if fp != self._fingerprint_bytes:
             return "written for another model or configuration (fingerprint differs)", None
         start = len(MAGIC) + _HEADER.size
         if len(data) != start + n_tokens + n_extra + n_payload:
             return f"truncated or padded ({len(data)} bytes, header says {start + n_tokens + n_extra + n_payload})", None
-        if stored_hash != block_hash:
+        if group_key(stored_hash, int.from_bytes(group[:2], "little")) != block_hash:
             return "holds another block hash than its name", None
         tokens = bytes(data[start:start + n_tokens])
         extra = bytes(data[start + n_tokens:start + n_tokens + n_extra])
         payload = data[start + n_tokens + n_extra:]
         if _checksum(payload) != checksum:
             return "corrupt (payload checksum mismatch)", None
-        if parent != key.parent_hash or tokens != key.token_bytes or extra != _extra_bytes(key):
+        if (parent != key.parent_hash or tokens != key.token_bytes or extra != _extra_bytes(key)
+                or group != _group_bytes(key)):
             return "other key", None
         return None, payload
 
@@ -377,7 +385,7 @@ class DiskTier(_Tier):
         path = self._path(block_hash)
         extra = _extra_bytes(key)
         header = MAGIC + _HEADER.pack(self._fingerprint_bytes, block_hash, key.parent_hash, _checksum(payload),
-                                      b"", len(key.token_bytes), len(extra), len(payload))
+                                      _group_bytes(key), len(key.token_bytes), len(extra), len(payload))
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.parent.mkdir(exist_ok=True)
