@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpage.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS  # pure Python
+
 from .block_manager import BlockManagerStats
 from .preemption_cost import MeasuredCostModel, PreemptionCostModel
 from .policies import VictimPolicy, check_preemption_mode
@@ -10,8 +12,8 @@ from .policies import VictimPolicy, check_preemption_mode
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # declared once, with the engine's options
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # prompt + max_tokens beyond this is rejected at admission
     policy: str | VictimPolicy = "recent"  # "recent" | "least_progress" | a VictimPolicy
     preemption_mode: str | None = None  # "swap" | "recompute" | None: the policy's, else the cost model's

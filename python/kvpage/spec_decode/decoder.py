@@ -57,24 +57,30 @@ class SpecDecode:
 
     # -- the scheduler's hook ------------------------------------------------------------------
 
-    def propose(self, request, seq) -> list[int]:
-        """This step's draft tokens for one decoding sequence ([]: decode one token as usual)."""
+    def propose(self, decodes: list[tuple[object, object]]) -> list[list[int]]:
+        """This step's draft tokens for each decoding (request, sequence) ([]: decode one token as usual), from
+        one call to the proposer for all of them (a draft model runs them as one batch)."""
+        ks = [self._num_drafts(request, seq) for request, seq in decodes]
+        asked = [(seq, k) for (_, seq), k in zip(decodes, ks) if k]
+        proposals = iter(self.proposer.propose(asked) if asked else ())
+        return [next(proposals) if k else [] for k in ks]
+
+    def _num_drafts(self, request, seq) -> int:
+        """How many tokens the sequence proposes this step: 0 if it is ineligible or backing off."""
         params = self.params_of(request.request_id)
         if params is None or not eligible(params, len(seq.output_token_ids)):
-            return []
+            return 0
         state = self._adaptive.get(seq.seq_id)
         if state is None:
             state = self._adaptive[seq.seq_id] = _Adaptive(self.config.num_speculative_tokens)
         if state.skip:
             state.skip -= 1
-            return []
+            return 0
         # The run, accepted whole, plus the bonus token must fit max_tokens and the context limit.
         k = min(state.k, request.max_tokens - len(seq.output_token_ids) - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
-        if k < 1:
-            return []
-        return self.proposer.propose(seq, k)
+        return max(k, 0)
 
     # -- after the forward pass ----------------------------------------------------------------
 
@@ -144,5 +150,6 @@ class NgramSeqProposer:
         from .ngram import NgramProposer
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, seq, k: int) -> list[int]:
-        return self.ngram.propose(seq.token_ids, k)
+    def propose(self, batch: list[tuple[object, int]]) -> list[list[int]]:
+        """(sequence, k) pairs -> up to k tokens each."""
+        return [self.ngram.propose(seq.token_ids, k) for seq, k in batch]
