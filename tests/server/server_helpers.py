@@ -77,6 +77,22 @@ def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def wait_healthy(url: str, process, timeout: float = 180.0) -> None:
+    """Wait for a `kvpage serve` subprocess (stdout piped, text) to answer GET /health; its output is the
+    assertion's message if it exits first."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("kvpage serve did not come up")
+
+
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {sample name: value} (one model, so labels are dropped)."""
     import urllib.request

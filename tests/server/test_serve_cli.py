@@ -5,25 +5,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-from server_helpers import _free_port, post
+from server_helpers import _free_port, post, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _wait_healthy(url: str, process, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("kvpage serve did not come up")
 
 
 def test_serve_flags_reach_the_server(tmp_path, model, tok):
@@ -38,7 +25,7 @@ def test_serve_flags_reach_the_server(tmp_path, model, tok):
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, process)
+        wait_healthy(url, process, timeout=90.0)
         auth = {"Authorization": "Bearer k"}
         request = urllib.request.Request(url + "/v1/models", headers=auth)
         models = json.loads(urllib.request.urlopen(request, timeout=10).read())["data"]
