@@ -220,8 +220,3 @@ def test_bad_options_are_refused_by_name(base, tmp_path):
         engine(base, kv_offloading_size=-1)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         engine(base, kv_offloading_size=0.01, enable_prefix_caching=False)
-
-
-def test_tensor_parallel_is_refused_before_the_model_loads():
-    with pytest.raises(ValueError, match="kv_offloading_size / kv_offloading_dir are not supported with tensor_par"):
-        kvpage.LLM(model="/nonexistent/model", tensor_parallel_size=2, kv_offloading_size=1.0)

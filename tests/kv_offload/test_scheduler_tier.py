@@ -246,5 +246,5 @@ def test_unsupported_layouts_are_refused_by_name():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         attach_offloading(object(), None, no_cache, Scheduler(no_cache), 0.01, None)
     plain = BlockManager(32, 4)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):  # a TP driver holds no cache of its own
+    with pytest.raises(ValueError, match="decode context parallelism"):  # neither a ModelRunner nor a TP driver
         attach_offloading(object(), None, plain, Scheduler(plain), 0.01, None)

@@ -222,6 +222,25 @@ class TensorParallelExecutor(Executor):
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return logits
 
+    def kv_connector_call(self, obj, reply_len: int = 0) -> list[list[int]]:
+        """[kv tier] Send every worker a KV connector message (kvpage.kv_offload.tp handles it there, in step
+        order); with reply_len > 0, wait for each worker's reply_len ints (rank order, ranks 1..N-1). A dead or
+        hung worker fails it as it fails a step."""
+        self.check_open()
+        h, payload = protocol.object_message(self.session.message, obj, reply_len)
+        try:
+            self._take_message()
+            protocol.broadcast_message(h, payload, self.session.group.control)
+            if not reply_len:
+                return []
+            rows = self.session.group.control.all_gather(torch.zeros(reply_len, dtype=torch.int64))
+        except BaseException as e:
+            error = self._fail(e)
+            if isinstance(e, Exception):
+                raise error from e
+            raise
+        return [row.tolist() for row in rows[1:]]
+
     def check_open(self) -> None:
         """Raise RuntimeError if this executor failed or was shut down."""
         if self._failure:

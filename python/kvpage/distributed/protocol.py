@@ -8,6 +8,7 @@ none of them sees a Python object per sequence. Cost: 8 * HEADER_LEN + 4 * len(p
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import fields
 from enum import IntEnum
 
@@ -23,6 +24,9 @@ class Kind(IntEnum):
     STEP = 1
     ALLOCATE = 2  # size the KV caches (no payload)
     SHUTDOWN = 3
+    # [kv tier] a KV connector's message (kvpage.kv_offload.tp): a pickled object, answered by `reply_len`
+    # ints from every rank (an all_gather) where reply_len > 0 (object_message).
+    KV_CONNECTOR = 4
 
 
 # Header slots.
@@ -98,6 +102,22 @@ def unpack_step(h: torch.Tensor, payload: torch.Tensor, device: torch.device) ->
     """Views into the payload (one host-to-device copy on CUDA), in pack_payload's order."""
     values = h.tolist()
     return unpack_payload(PayloadSizes(*(values[_SLOTS.index(name)] for name in _SIZE_SLOTS)), payload, device)
+
+
+def object_message(message: int, obj, reply_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[kv tier] A KV_CONNECTOR message: obj pickled (the driver's and its own workers' processes only), padded
+    to whole int32s; NUM_SEQS holds its byte length, NUM_TOKENS the reply's length."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    padded = data + bytes(-len(data) % 4)
+    payload = torch.frombuffer(bytearray(padded), dtype=torch.int32) if padded else torch.empty(0, dtype=torch.int32)
+    return header(Kind.KV_CONNECTOR, message, num_seqs=len(data), num_tokens=reply_len,
+                  payload_len=payload.numel()), payload
+
+
+def object_of(h: torch.Tensor, payload: torch.Tensor) -> tuple[object, int]:
+    """[kv tier] (the object, reply length) of a KV_CONNECTOR message."""
+    data = payload.contiguous().view(torch.uint8).numpy().tobytes()[:int(h[NUM_SEQS])]
+    return pickle.loads(data), int(h[NUM_TOKENS])
 
 
 def broadcast_message(h: torch.Tensor, payload: torch.Tensor | None, group) -> None:

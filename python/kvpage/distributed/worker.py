@@ -92,6 +92,7 @@ def serve(model, group: TPGroup) -> None:
     """The worker loop; returns on SHUTDOWN. Raises if the driver goes away (its sockets close)."""
     exchange_reports(model, group)
     runner, expected = None, 0
+    kv_tier = None  # [kv tier] this rank's part of a KV offload tier (kvpage.kv_offload.tp), once set up
     while True:
         h, payload = protocol.receive_message(group.control)
         kind, message = protocol.Kind(int(h[protocol.KIND])), int(h[protocol.MESSAGE])
@@ -104,6 +105,10 @@ def serve(model, group: TPGroup) -> None:
             runner, sizes = allocate(model, h, group)
             if runner is None or any(b < 0 for row in sizes for b in row):
                 return  # the driver raises for every rank that failed
+            continue
+        if kind is protocol.Kind.KV_CONNECTOR:  # [kv tier]
+            from kvpage.kv_offload.tp import serve_kv_message
+            kv_tier = serve_kv_message(kv_tier, runner, group, *protocol.object_of(h, payload))
             continue
         runner.execute(protocol.unpack_step(h, payload, group.device))
 

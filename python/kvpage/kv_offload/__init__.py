@@ -23,7 +23,8 @@ DEFAULT_DISK_TIER_GIB = 4.0
 
 
 def check_offloading_options(kv_offloading_size, kv_offloading_dir, tensor_parallel_size: int = 1) -> None:
-    """ValueError naming the argument for a value LLM(...) cannot take (checked before the model loads)."""
+    """ValueError naming the argument for a value LLM(...) cannot take (checked before the model loads).
+    Every tensor_parallel_size takes a tier (each rank keeps its own shard of the blocks: kv_offload.tp)."""
     if kv_offloading_size is not None and not (isinstance(kv_offloading_size, (int, float))
                                                and not isinstance(kv_offloading_size, bool)
                                                and 0 < kv_offloading_size < float("inf")):
@@ -31,47 +32,55 @@ def check_offloading_options(kv_offloading_size, kv_offloading_dir, tensor_paral
     if kv_offloading_dir is not None and (not isinstance(kv_offloading_dir, (str, bytes)) and
                                           not hasattr(kv_offloading_dir, "__fspath__") or kv_offloading_dir == ""):
         raise ValueError(f"kv_offloading_dir must be a directory path or None, got {kv_offloading_dir!r}")
-    if tensor_parallel_size > 1 and (kv_offloading_size is not None or kv_offloading_dir is not None):
-        raise ValueError(f"kv_offloading_size / kv_offloading_dir are not supported with tensor_parallel_size > 1"
-                         f" (got {tensor_parallel_size})")
 
 
 def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading_size, kv_offloading_dir):
     """Put a tier behind block_manager's prefix cache: a disk tier under kv_offloading_dir (of
     kv_offloading_size GiB, default DEFAULT_DISK_TIER_GIB), else a host-memory tier of kv_offloading_size
-    GiB. Returns (the runner to execute steps with, the connector). Refuses, naming the option, what the
-    tier does not support: a hybrid KV cache (several KV-cache groups), tensor / context parallelism (a
-    runner without its own cache), prefix caching off."""
+    GiB; under tensor parallelism each rank keeps its share of that size (its KV heads' bytes of each
+    block) in its own tier (kv_offload.tp). Returns (the runner to execute steps with, the connector).
+    Refuses, naming the option, what the tier does not support: decode context parallelism, prefix
+    caching off."""
     check_offloading_options(kv_offloading_size, kv_offloading_dir)
     if block_manager.device.cache is None:
         raise ValueError("kv_offloading_size / kv_offloading_dir need enable_prefix_caching=True (the tier holds"
                          " the prefix cache's evicted blocks)")
-    from kvpage.model.runner import ModelRunner  # torch, only where a tier is configured
-
-    # A tensor-parallel driver holds no cache of its own: each rank's shard of a block is in its own process.
-    if not isinstance(runner, ModelRunner) or runner.context_parallel is not None:
-        raise ValueError("kv_offloading_size / kv_offloading_dir are not supported with tensor_parallel_size > 1"
-                         " or decode context parallelism")
-    from .worker import KVOffloadWorker, model_fingerprint
-
     size_gib = kv_offloading_size if kv_offloading_size is not None else DEFAULT_DISK_TIER_GIB
     capacity = int(size_gib * 2**30)
-    if kv_offloading_dir is not None:
-        fingerprint = model_fingerprint(runner.model, tokenizer, runner, block_manager.block_size,
-                                        runner.matmul_precision)
-        tier = DiskTier(kv_offloading_dir, fingerprint, capacity)
-    else:
-        tier = HostMemoryTier(capacity)
-    worker = KVOffloadWorker(runner, tier)
-    connector = OffloadingConnector(tier, block_manager.block_size, save_now=worker.save,
+    worker = _offload_worker(runner, tokenizer, block_manager.block_size, kv_offloading_dir, capacity)
+    connector = OffloadingConnector(worker.tier, block_manager.block_size, save_now=worker.save,
                                     recompute_seconds=recompute_pricer(scheduler.config.cost_model),
                                     sliding_windows=block_manager.sliding_windows)
+    connector.verify_remote = getattr(worker, "probe", None)  # tensor parallelism: the other ranks' checks
     worker.load_cost = connector.load_cost
     block_manager.device.cache.on_evict = connector.on_evict
     scheduler.kv_connector = connector
-    if isinstance(tier, DiskTier):
+    if isinstance(worker.tier, DiskTier):
         _persist_at_exit(worker, connector, block_manager)
     return worker, connector
+
+
+def _offload_worker(runner, tokenizer, block_size: int, directory, capacity: int):
+    """The worker side for `runner`: a ModelRunner's own cache, or a tensor-parallel driver's rank 0 plus
+    the other ranks (each its capacity / world_size share)."""
+    from kvpage.distributed.executor import TensorParallelExecutor  # torch, only where a tier is configured
+    from kvpage.model.runner import ModelRunner
+
+    from .tp import RankTierConfig, TPOffloadWorker, make_tier, rank_fingerprint
+    from .worker import KVOffloadWorker, model_fingerprint
+
+    if isinstance(runner, TensorParallelExecutor) and runner.dcp_size == 1:
+        local, n = runner.runner, runner.world_size
+        fingerprint = rank_fingerprint(local.model, tokenizer, local, None, 0, n, local.block_size,
+                                       local.matmul_precision)
+        config = RankTierConfig(None if directory is None else str(directory), capacity // n, fingerprint,
+                                local.block_size, local.matmul_precision)
+        return TPOffloadWorker(runner, make_tier(directory, fingerprint, capacity // n), config)
+    if not isinstance(runner, ModelRunner) or runner.context_parallel is not None:
+        raise ValueError(f"kv_offloading_size / kv_offloading_dir are not supported with decode context parallelism"
+                         f" (decode_context_parallel_size > 1) nor on a {type(runner).__name__} runner")
+    fingerprint = model_fingerprint(runner.model, tokenizer, runner, block_size, runner.matmul_precision)
+    return KVOffloadWorker(runner, make_tier(directory, fingerprint, capacity))
 
 
 def recompute_pricer(cost_model):
@@ -94,7 +103,7 @@ def persist_cached_blocks(worker, connector, block_manager) -> int:
     stores = [(h, cache.key_of(b), b) for h, b in cache.indexed() if not connector.tier.contains(h)]
     for i in range(0, len(stores), 64):  # the disk tier's write queue takes a bounded number at a time
         worker.save(stores[i:i + 64])
-        connector.tier.flush()
+        worker.flush_tier()
     return len(stores)
 
 
@@ -106,7 +115,7 @@ def close_offloading(worker, connector, block_manager) -> None:
         try:
             persist_cached_blocks(worker, connector, block_manager)
         finally:
-            tier.close()
+            worker.close_tier()
 
 
 def _persist_at_exit(worker, connector, block_manager) -> None:

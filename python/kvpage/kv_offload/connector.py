@@ -90,6 +90,11 @@ class OffloadingConnector(KVConnectorBase):
         self._loads: list[tuple[int, bytes]] = []
         self._load_keys: list[tuple[bytes, BlockKey]] = []  # each load's (tier hash, key): other TP ranks' reads
         self._touches: list[bytes] = []  # tier entries the pool's LRU used again (other TP ranks' LRUs follow)
+        # verify_remote(epoch, [(tier hash, key)]) -> [bool]: under tensor parallelism, whether every other rank
+        # holds and verified each entry (and keeps it for this schedule's loads: kv_offload.tp); None: one process.
+        self.verify_remote = None
+        self._epoch = 0  # schedules so far: a rank keeps what it verified for one schedule only
+        self._remote_verified: set[bytes] = set()
         self._stores: list[tuple[bytes, BlockKey, int]] = []
         self._storing: set[bytes] = set()
         self.hit_tokens = 0  # first admissions only: a recompute after preemption is no cache hit
@@ -171,24 +176,47 @@ class OffloadingConnector(KVConnectorBase):
         return first
 
     def _read(self, seq: Sequence, match: "_Match", h: int) -> int:
-        """Read and verify what a hit ending at h needs; a block failing its checks (or gone since) is a
-        miss from then on, and the hit is fitted again below it. Returns the hit's end."""
-        bs, first = self.block_size, match.first
+        """Read and verify what a hit ending at h needs (on every TP rank); a block failing its checks (or
+        gone since) is a miss from then on, and the hit is fitted again below it. Returns the hit's end."""
+        first = match.first
         start, num_read = time.perf_counter(), 0
         while h > first:
-            missing = [(g, i) for g, i in self._needed(first, h) if (g, i) not in match.payloads]
-            for g, i in missing:
-                num_read += 1
-                payload = self.tier.get(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
-                if payload is None:
-                    match.bad.add((g, i))
-                    break
-                match.payloads[(g, i)] = payload
-            else:
+            needed = self._needed(first, h)
+            missing = [e for e in needed if e not in match.payloads]
+            num_read += len(missing)
+            if self._read_local(seq, match, missing) and self._verify_remote(seq, match, needed):
                 break
             h = self._fit(seq, match, h)
         self.load_cost.add_read(num_read, time.perf_counter() - start)
         return h
+
+    def _read_local(self, seq: Sequence, match: "_Match", entries: list[tuple[int, int]]) -> bool:
+        """Read entries from this process's tier until one fails (then a miss: False)."""
+        bs = self.block_size
+        for g, i in entries:
+            payload = self.tier.get(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+            if payload is None:
+                match.bad.add((g, i))
+                return False
+            match.payloads[(g, i)] = payload
+        return True
+
+    def _verify_remote(self, seq: Sequence, match: "_Match", entries: list[tuple[int, int]]) -> bool:
+        """Under tensor parallelism: whether every other rank verified each entry in this schedule (those that
+        did not are misses from then on). One process: True."""
+        if self.verify_remote is None:
+            return True
+        bs = self.block_size
+        keyed = [(e, group_key(block_hash(seq, e[1], bs), e[0])) for e in entries]
+        keyed = [(e, h) for e, h in keyed if h not in self._remote_verified]
+        flags = self.verify_remote(self._epoch, [(h, block_key(seq, i, bs, g)) for (g, i), h in keyed])
+        for ((g, i), h), ok in zip(keyed, flags):
+            if ok:
+                self._remote_verified.add(h)
+            else:
+                match.bad.add((g, i))
+                match.payloads.pop((g, i), None)
+        return all(flags)
 
     def _worth_loading(self, num_blocks: int, num_hit_blocks: int) -> bool:
         """Load unless the measured cost of loading num_blocks entries exceeds the cost model's recompute
@@ -252,6 +280,8 @@ class OffloadingConnector(KVConnectorBase):
         # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
         # bytes are intact until a step runs, and the next step's meta carries them.
         self._loads, self._load_keys = [], []
+        self._epoch += 1
+        self._remote_verified.clear()
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
         if not self._loads and not self._stores and not self._touches:

@@ -26,10 +26,12 @@ _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
 
 
 class KVOffloadWorker(Executor):
-    def __init__(self, runner, tier) -> None:
+    def __init__(self, runner, tier, cache_runner=None) -> None:
+        """runner: the Executor steps run on; cache_runner: the ModelRunner whose KV cache this process's
+        blocks are in (default runner; under tensor parallelism the driver's rank-0 runner: kv_offload.tp)."""
         self._runner = runner
         self.tier = tier
-        self._tensors = [t for kv in runner.kv_cache_pairs for t in kv]
+        self._tensors = [t for kv in (cache_runner or runner).kv_cache_pairs for t in kv]
         self._nbytes = [t[0].numel() * t.element_size() for t in self._tensors]
         self.bytes_per_block = sum(self._nbytes)
         self._device = self._tensors[0].device
@@ -98,6 +100,14 @@ class KVOffloadWorker(Executor):
             if self.load_cost is not None:
                 self.load_cost.add_copy(len(loads), time.perf_counter() - start)
 
+    def flush_tier(self) -> None:
+        """Wait until every block handed to the tier is stored (a disk tier writes on its own thread)."""
+        self.tier.flush()
+
+    def close_tier(self) -> None:
+        """Write what is queued and stop the tier's writer."""
+        self.tier.close()
+
     # -- block bytes ---------------------------------------------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
@@ -140,11 +150,13 @@ class KVOffloadWorker(Executor):
             offset += nbytes
 
 
-def model_fingerprint(model, tokenizer, runner, block_size: int, matmul_precision: str = "highest") -> str:
+def model_fingerprint(model, tokenizer, runner, block_size: int, matmul_precision: str = "highest",
+                      extra: dict | None = None) -> str:
     """32 hex digits naming everything a block's bytes depend on: kvpage's version, the model's config, its
     weights (cheaply: every parameter's name, shape, dtype and its first and last 1024 elements' bytes,
     not a hash of every byte), dtype, KV-cache dtype and layout, block size, the linear layers' precision,
-    and the tokenizer (its class, vocabulary size and the ids of a fixed text)."""
+    and the tokenizer (its class, vocabulary size and the ids of a fixed text). extra: more that the bytes
+    depend on (a tensor-parallel rank's place: kv_offload.tp), JSON-able."""
     h = hashlib.blake2b(digest_size=16)
     config = model.config.to_dict()
     config.pop("_name_or_path", None)
@@ -156,6 +168,8 @@ def model_fingerprint(model, tokenizer, runner, block_size: int, matmul_precisio
         "kv_cache_shape": [list(t.shape[1:]) for kv in runner.kv_cache_pairs for t in kv],
         "layout": [list(g.layer_ids) for g in runner.layout.groups], "tokenizer": _tokenizer_desc(tokenizer),
     }
+    if extra:
+        desc["extra"] = extra
     h.update(json.dumps(desc, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,68 @@
+"""KV offload tiers under tensor parallelism: TP=2 on CPU (gloo, the driver and one spawned worker) on the hybrid
+model of test_hybrid_tier.py (two KV-cache groups, one KV head per rank). Each rank stores and loads its own
+shard of every block in its own tier; the driver's connector owns the lookup and every rank verifies its
+entries before a hit counts. Greedy tokens equal TP=2's with the tier off across eviction and reload (host
+memory), after a restart on one directory (disk: one fingerprint directory per rank), and when one rank's
+files are damaged (its checks fail, so those hits are recomputed)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid_helpers import assert_window_loads_only, engine, generate, qwen2_sliding, waves  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qwen2_sliding()
+
+
+def run(llm, fn):
+    """fn(llm), then the LLM's stats; its workers are shut down (a disk tier persisted) whatever happens."""
+    try:
+        return fn(llm), llm.stats()
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """TP=2, tier off, the same pool."""
+    return run(engine(model, tensor_parallel_size=2), waves)[0]
+
+
+def test_tp2_host_tier_same_tokens(model, reference):
+    got, stats = run(engine(model, tensor_parallel_size=2, kv_offloading_size=0.05), waves)
+    assert got == reference
+    assert stats["kv_offload_stored_blocks"] > 0
+    assert_window_loads_only(stats)
+
+
+def test_tp2_disk_tier_restart_and_a_damaged_rank(model, reference, tmp_path):
+    first = engine(model, tensor_parallel_size=2, kv_offloading_dir=str(tmp_path))
+    rank0 = first.llm_engine.kv_connector.tier.fingerprint
+    assert run(first, generate)[0] == reference[0]
+    dirs = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(dirs) == 2 and rank0 in {d.name for d in dirs}  # one fingerprint (and directory) per rank
+    assert all(list(d.rglob("*.kvb")) for d in dirs)
+
+    def restart():
+        llm = engine(model, tensor_parallel_size=2, kv_offloading_dir=str(tmp_path), num_kv_blocks=256)
+        llm.llm_engine.kv_connector.recompute_seconds = None  # load every hit (no pricing on a loaded machine)
+        return run(llm, generate)
+
+    got, warm = restart()
+    assert got == reference[0]
+    assert_window_loads_only(warm)
+    rank1 = next(d for d in dirs if d.name != rank0)
+    for path in rank1.rglob("*.kvb"):  # a flipped bit in every block file of rank 1 only
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x10
+        path.write_bytes(bytes(data))
+    got, damaged = restart()
+    assert got == reference[0]
+    assert damaged["kv_offload_hit_tokens"] < warm["kv_offload_hit_tokens"]
