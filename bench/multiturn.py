@@ -21,6 +21,12 @@ TTFT >= 5x lower than cold.
     python bench/multiturn.py [--conversations 6] [--turns 10] [--user-tokens 200] [--doc-tokens 2000]
     python bench/multiturn.py --conversations 4 --user-tokens 100 --vllm   # and `vllm serve` on them
     python bench/multiturn.py --quick   # a tiny random model, 2 conversations x 2 short turns: a smoke run
+    python bench/multiturn.py --conversations 4 --user-tokens 100 --hybrid-window 256   # a hybrid KV cache
+
+--hybrid-window W runs the model with Gemma 3's layer pattern (every sixth layer full attention, the others a
+sliding window of W tokens) on its own weights: a hybrid KV cache (several KV-cache groups) at the model's
+cost, not a trained hybrid model. Its servers compute prefills in chunks of HYBRID_CHUNK tokens, so a window
+group holds its window plus one chunk, and the pool is sized from kvpage's own per-group block counts.
 
 Writes bench/results/multiturn.json (multiturn_quick.json with --quick).
 """
@@ -69,9 +75,9 @@ def last_turn_tokens(tokenizer, users: list[str], max_tokens: int) -> int:
 
 
 def start_kvpage(model: Path, log_dir: Path, name: str, num_kv_blocks: int, block_size: int,
-                 tier_dir: str | None) -> Server:
+                 tier_dir: str | None, server_args: tuple[str, ...] = ()) -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-    extra = ["--kv-offloading-dir", tier_dir] if tier_dir else []
+    extra = (["--kv-offloading-dir", tier_dir] if tier_dir else []) + list(server_args)
     return start_server(name, lambda port: [sys.executable, "-m", "kvpage", "serve", str(model), "--port", str(port),
                                             "--served-model-name", MODEL_NAME, "--num-kv-blocks", str(num_kv_blocks),
                                             "--block-size", str(block_size), "--swap-space-gib", "0", *extra],
@@ -157,14 +163,15 @@ def run_conversations(server: Server, users: list[list[str]], max_tokens: int) -
 
 
 def restart_run(model: Path, log_dir: Path, num_kv_blocks: int, block_size: int, document: str,
-                max_tokens: int) -> dict:
+                max_tokens: int, server_args: tuple[str, ...] = ()) -> dict:
     from openai import OpenAI
 
     tier_dir = tempfile.mkdtemp(prefix="kvpage-restart-")
     question = [{"role": "user", "content": document + "\n\nIn one sentence: what is this document about?"}]
     result = {}
     for label in ("cold", "after_restart"):
-        server = start_kvpage(model, log_dir, f"kvpage restart {label}", num_kv_blocks, block_size, tier_dir)
+        server = start_kvpage(model, log_dir, f"kvpage restart {label}", num_kv_blocks, block_size, tier_dir,
+                              server_args)
         try:
             client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
             ask(client, [{"role": "user", "content": "Hello"}], 2)
@@ -174,6 +181,35 @@ def restart_run(model: Path, log_dir: Path, num_kv_blocks: int, block_size: int,
         result[label] = {"ttft_s": ttft, "cached_tokens": cached}
         print(f"  restart run, {label}: TTFT {ttft * 1e3:.0f} ms, cached tokens {cached}", flush=True)
     return result
+
+
+HYBRID_CHUNK = 256  # --hybrid-window runs' max_num_batched_tokens
+
+
+def hybrid_model_dir(model: Path, window: int) -> Path:
+    """`model`'s weights (linked) under a config with Gemma 3's layer pattern: layer l is full attention where
+    (l + 1) % 6 == 0, else a sliding window of `window` tokens (kvpage reads config.layer_types)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvpage-multiturn-hybrid-"))
+    for f in model.iterdir():
+        if f.name != "config.json":
+            os.symlink(f.resolve(), directory / f.name)
+    config = json.loads((model / "config.json").read_text())
+    config["sliding_window"] = window
+    config["layer_types"] = ["full_attention" if (l + 1) % 6 == 0 else "sliding_attention"
+                             for l in range(config["num_hidden_layers"])]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def kv_blocks_for(model: Path, num_tokens: int, block_size: int, max_step_tokens: int | None) -> int:
+    """Block ids one sequence of num_tokens holds in `model`'s KV-cache layout (one group without windows)."""
+    from transformers import AutoConfig
+
+    from kvpage.core.kv_cache_groups import num_blocks_per_seq
+    from kvpage.model.runner import model_kv_cache_layout
+
+    layout = model_kv_cache_layout(AutoConfig.from_pretrained(model))
+    return num_blocks_per_seq(layout, num_tokens, block_size, min(num_tokens, max_step_tokens or num_tokens))
 
 
 def main() -> dict:
@@ -191,6 +227,8 @@ def main() -> dict:
                         help="kvpage's runs, of tier_off,tier_on (a comma-separated list; empty: none)")
     parser.add_argument("--vllm", action="store_true", help="and `vllm serve` on the same conversations")
     parser.add_argument("--quick", action="store_true", help="a tiny random model, 2 conversations x 2 short turns")
+    parser.add_argument("--hybrid-window", type=int, default=None, metavar="W",
+                        help="Gemma 3's layer pattern on the model's weights: 5 of 6 layers a window of W tokens")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -200,22 +238,28 @@ def main() -> dict:
     else:
         model = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
+    server_args: tuple[str, ...] = ()
+    if args.hybrid_window is not None:
+        model = hybrid_model_dir(model, args.hybrid_window)
+        server_args = ("--max-num-batched-tokens", str(HYBRID_CHUNK))
+        args.vllm = False  # vLLM would load the weights without the windows: not the same model
+    chunk = HYBRID_CHUNK if server_args else None
     rng = random.Random(0)
     users = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
     per_conversation = last_turn_tokens(tokenizer, users[0], args.max_tokens)
-    total = args.conversations * per_conversation
+    blocks_per_conversation = kv_blocks_for(model, per_conversation, args.block_size, chunk)
     # A quarter of every conversation's KV, but at least one whole last turn (else it could never run).
-    num_kv_blocks = max(total // 4, per_conversation + 8 * args.block_size) // args.block_size
-    share = num_kv_blocks * args.block_size / total
+    num_kv_blocks = max(args.conversations * blocks_per_conversation // 4, blocks_per_conversation + 8)
+    share = num_kv_blocks / (args.conversations * blocks_per_conversation)
     print(f"{args.conversations} conversations x {args.turns} turns, ~{per_conversation} tokens each at the last"
           f" turn; KV pool of {num_kv_blocks} blocks x {args.block_size} tokens (~{share:.0%} of all conversations'"
-          " KV)", flush=True)
+          " KV)" + (f"; hybrid: windows of {args.hybrid_window} tokens on 5 of 6 layers" if chunk else ""), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="kvpage-multiturn-"))
     results = {"config": vars(args) | {"num_kv_blocks": num_kv_blocks}}
     for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
         if label not in args.runs:
             continue
-        server = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier)
+        server = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier, server_args)
         try:
             results[label] = run_conversations(server, users, args.max_tokens)
         finally:
@@ -234,12 +278,13 @@ def main() -> dict:
             print(f"vllm serve skipped: no venv at {vllm_launcher.vllm_python().parent.parent}", flush=True)
     if not args.skip_restart:
         document = text_of(tokenizer, args.doc_tokens, random.Random(1))
-        restart = restart_run(model, log_dir, max(num_kv_blocks, args.doc_tokens // args.block_size + 32),
-                              args.block_size, document, args.max_tokens)
+        doc_blocks = kv_blocks_for(model, args.doc_tokens + 64, args.block_size, chunk)
+        restart = restart_run(model, log_dir, max(num_kv_blocks, doc_blocks + 32), args.block_size, document,
+                              args.max_tokens, server_args)
         restart["cold_over_restart"] = restart["cold"]["ttft_s"] / restart["after_restart"]["ttft_s"]
         results["restart"] = restart
         print(f"restart: cold TTFT / TTFT after restart = {restart['cold_over_restart']:.2f}x (target >= 5)")
-    write_json("multiturn_quick" if args.quick else "multiturn", results)
+    write_json("multiturn_quick" if args.quick else "multiturn_hybrid" if chunk else "multiturn", results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return results
