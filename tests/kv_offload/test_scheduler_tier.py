@@ -248,3 +248,17 @@ def test_unsupported_layouts_are_refused_by_name():
     plain = BlockManager(32, 4)
     with pytest.raises(ValueError, match="decode context parallelism"):  # neither a ModelRunner nor a TP driver
         attach_offloading(object(), None, plain, Scheduler(plain), 0.01, None)
+
+
+def test_num_external_tokens_must_be_whole_blocks_after_the_hit():
+    from kvpage.core import Sequence
+
+    bm = BlockManager(32, 4, kv_cache_layout=kv_cache_layout([None, 8]))
+    for bad in (3, -4, 20):  # not whole blocks; negative; reaching the last token (the prompt has 20)
+        with pytest.raises(ValueError, match="num_external_tokens"):
+            bm.allocate(Sequence(0, list(range(1, 21))), 20 if bad == 20 else 8, num_external_tokens=bad)
+    seq = Sequence(1, list(range(1, 21)))
+    assert bm.can_allocate(seq, 19, num_external_tokens=16)
+    bm.allocate(seq, 19, num_external_tokens=16)  # loads blocks 0-3: the window of 8 ending at 16 is blocks 2-3
+    assert seq.block_tables[1][:2] == [NULL_BLOCK] * 2 and NULL_BLOCK not in seq.block_tables[1][2:]
+    assert bm.stats().num_used_blocks == 5 + 3

@@ -1,12 +1,14 @@
 """KV offload tiers (issue 48): a second tier behind the pool's prefix cache, through a connector seam.
 
 connector.py: the seam (scheduler side, pure Python) and OffloadingConnector; tiers.py: the host-memory
-and disk tiers (pure Python); worker.py: the worker side (torch) and the model fingerprint.
+and disk tiers (pure Python); worker.py: the worker side (torch) and the model fingerprint; tp.py: the same
+under tensor parallelism (each rank its own shard of the blocks, in its own tier).
 attach_offloading wires one engine's block manager, scheduler and runner to a tier.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 
 from kvpage.core.preemption_cost import MeasuredCostModel
@@ -17,6 +19,8 @@ from .tiers import DiskTier, HostMemoryTier
 __all__ = ["DEFAULT_DISK_TIER_GIB", "DiskTier", "HostMemoryTier", "KVConnectorBase", "KVConnectorMeta",
            "OffloadingConnector", "attach_offloading", "check_offloading_options", "close_offloading",
            "persist_cached_blocks", "recompute_pricer"]
+
+logger = logging.getLogger("kvpage")
 
 # The disk tier's size when kv_offloading_dir is given without kv_offloading_size.
 DEFAULT_DISK_TIER_GIB = 4.0
@@ -125,6 +129,9 @@ def _persist_at_exit(worker, connector, block_manager) -> None:
     def persist() -> None:
         objs = [r() for r in refs]
         if None not in objs:
-            close_offloading(*objs)
+            try:
+                close_offloading(*objs)
+            except RuntimeError as e:  # tensor-parallel workers already gone: what rank 0 holds is written
+                logger.warning("kvpage: KV offload tier: not every cached block was persisted at exit: %s", e)
 
     atexit.register(persist)
