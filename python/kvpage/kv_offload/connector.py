@@ -182,9 +182,10 @@ class OffloadingConnector(KVConnectorBase):
         start, num_read = time.perf_counter(), 0
         while h > first:
             needed = self._needed(first, h)
-            missing = [e for e in needed if e not in match.payloads]
-            num_read += len(missing)
-            if self._read_local(seq, match, missing) and self._verify_remote(seq, match, needed):
+            num_payloads = len(match.payloads)
+            ok = self._read_local(seq, match, [e for e in needed if e not in match.payloads])
+            num_read += len(match.payloads) - num_payloads + (not ok)
+            if ok and self._verify_remote(seq, match, needed):
                 break
             h = self._fit(seq, match, h)
         self.load_cost.add_read(num_read, time.perf_counter() - start)
