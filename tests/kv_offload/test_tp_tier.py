@@ -52,7 +52,6 @@ def test_tp2_disk_tier_restart_and_a_damaged_rank(model, reference, tmp_path):
 
     def restart():
         llm = engine(model, tensor_parallel_size=2, kv_offloading_dir=str(tmp_path), num_kv_blocks=256)
-        llm.llm_engine.kv_connector.recompute_seconds = None  # load every hit (no pricing on a loaded machine)
         return run(llm, generate)
 
     got, warm = restart()
