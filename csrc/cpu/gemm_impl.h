@@ -4,9 +4,8 @@
 // not by arithmetic, and the weights of a whole model pass through the caches once per step. So the
 // layout and loop order serve the stream: W is packed as [N / 48 slabs][K][48 columns], each slab one
 // contiguous run that a thread reads once, front to back, while it computes the slab's M x 48 outputs
-// from registers and prefetches into L2 what lies 16 KiB ahead of its loads (kLeadLines). A slab is
-// shared by every row of x (all of which sit in L1/L2), so each weight byte is read once per call
-// whatever M is.
+// from registers and prefetches the NEXT slab into L2. A slab is shared by every row of x (all of which
+// sit in L1/L2), so each weight byte is read once per call whatever M is.
 //
 // Included inside the ISA namespace, after vec.h: AVX-512 builds get the register-blocked kernel
 // (up to 8 rows x 48 columns in 24 zmm accumulators: 8-15% faster than 32 columns from 32 rows up, in
@@ -33,38 +32,40 @@ struct PrefetchStream {
   inline void next() {
     credit += lines;
     while (credit >= steps) {
-      __builtin_prefetch(next_line, 0, 2);  // into L2: 16 KiB ahead, it stays there until read
+      __builtin_prefetch(next_line, 0, 2);  // into L2: the whole next slab fits there
       next_line += 64;
       credit -= steps;
     }
   }
 };
 
-// A thread reads its slabs [begin, end) as one run of bytes and keeps its prefetches kLeadLines ahead of
-// its loads: each pass streams, over its k steps, its share of the lines from kLeadLines past its slab's
-// start to kLeadLines past the next slab's, and the run's first kLeadLines go out at once before its
-// first pass (prefetch_run_start). Prefetching only the NEXT slab left each call's first slab per
-// thread to the hardware prefetchers alone, which keep up with fp32 slabs but not 16-bit ones (no
-// software prefetch at all: bf16 slabs 0.63-0.80x, fp32 level), and decode's small matrices are only
-// 6-10 slabs per thread at 2 threads. 256 lines (16 KiB): bench/linear.py's shapes at M = 1, a C++
-// harness alternating builds on the 2-vCPU Xeon: bf16 1.02-1.05x, fp32 level; 64 lines measured alike.
-constexpr int64_t kLeadLines = 256;
+// Each pass over a slab prefetches, spread over its k steps, its share of the NEXT slab, so that all the
+// passes of a slab together bring the next one into L2 before its first pass reads it. A thread's first
+// slab has no previous one to do that for it: its first kLeadLines go out at once (prefetch_run_start)
+// and its first pass streams the rest of it, kLeadLines ahead of its loads, on top of its share of the
+// next. Left to the hardware prefetchers, that first slab per thread streamed slowly for 16-bit slabs
+// (with no software prefetch at all bf16 slabs ran 0.63-0.80x, fp32 level), and decode's small
+// matrices are only 6-10 slabs per thread at 2 threads: bench/linear.py's shapes at M = 1, a C++ harness
+// alternating builds on the 2-vCPU Xeon, split in two runs per thread as 2 threads run them: bf16
+// 1.03-1.05x, fp32 level.
+constexpr int64_t kLeadLines = 256;  // 16 KiB
 
-inline void prefetch_run_start(const void* run, const void* run_end) {
+inline void prefetch_run_start(const void* run, int64_t slab_bytes) {
   const char* line = static_cast<const char*>(run);
-  const int64_t lines = (static_cast<const char*>(run_end) - line) / 64;
-  for (int64_t l = 0; l < (lines < kLeadLines ? lines : kLeadLines); ++l) __builtin_prefetch(line + 64 * l, 0, 2);
+  const int64_t lines = slab_bytes / 64 < kLeadLines ? slab_bytes / 64 : kLeadLines;
+  for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(line + 64 * l, 0, 2);
 }
 
-// Pass p of `passes` over the slab at `slab` (slab_bytes long) in a run ending at run_end, `steps` k steps.
-inline PrefetchStream lead_stream(const void* slab, int64_t slab_bytes, const void* run_end, int64_t passes, int64_t p,
-                                  int64_t steps) {
+// Pass p of `passes` over the slab at `slab` (slab_bytes long; the next slab follows it), `steps` k steps.
+inline PrefetchStream slab_stream(const void* slab, int64_t slab_bytes, bool first, bool has_next, int64_t passes,
+                                  int64_t p, int64_t steps) {
   const char* base = static_cast<const char*>(slab);
-  const int64_t left = (static_cast<const char*>(run_end) - base) / 64 - kLeadLines;  // lines past the lead
-  const int64_t lines = left < slab_bytes / 64 ? (left > 0 ? left : 0) : slab_bytes / 64;
-  const int64_t per_pass = (lines + passes - 1) / passes, first = per_pass * p < lines ? per_pass * p : lines;
-  const int64_t mine = lines - first < per_pass ? lines - first : per_pass;
-  return PrefetchStream{base + 64 * (kLeadLines + first), mine, steps};
+  const int64_t slab_lines = slab_bytes / 64, per_pass = slab_lines / passes, next = has_next ? per_pass : 0;
+  if (first && p == 0) {
+    const int64_t lead = slab_lines < kLeadLines ? slab_lines : kLeadLines;
+    return PrefetchStream{base + 64 * lead, slab_lines - lead + next, steps};  // through its share of the next
+  }
+  return PrefetchStream{base + slab_bytes + 64 * p * per_pass, next, steps};
 }
 
 // Bf16Bits / HalfBits and their widening loads (load_widened16 / load_widened8): vec.h.
@@ -143,7 +144,7 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k_dim; ++k) {
-      if (h == 0) pf.next();  // the pass's prefetches, during the first half
+      if (h == 0) pf.next();  // the pass's share of the next slab, during the first half
       __m256 wv[V];
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) wv[v] = load_widened8(wh + k * kSlabColumns + 8 * v);
@@ -196,21 +197,20 @@ constexpr std::array<SlabPass<W>, sizeof...(R)> pass_table(std::index_sequence<R
 }
 
 // Slabs [slab_begin, slab_end) of y = x @ W.T + bias. Rows go in even passes of <= kMaxRowsPerPass
-// (64 rows are 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of what lies kLeadLines ahead.
+// (64 rows are 8 x 8, not 7 x 9 + 1); each pass also prefetches its share of the next slab (slab_stream).
 template <typename W>
 void linear_slabs_of(const LinearArgs& a, const W* packed, int64_t slab_begin, int64_t slab_end) {
   static constexpr auto kPass = pass_table<W>(std::make_index_sequence<kMaxRowsPerPass>{});
   const int64_t slab_elements = a.k * kSlabColumns, slab_bytes = slab_elements * int64_t(sizeof(W));
   const int64_t passes = (a.m + kMaxRowsPerPass - 1) / kMaxRowsPerPass;
-  const W* run_end = packed + slab_end * slab_elements;
-  prefetch_run_start(packed + slab_begin * slab_elements, run_end);
+  prefetch_run_start(packed + slab_begin * slab_elements, slab_bytes);
   for (int64_t s = slab_begin; s < slab_end; ++s) {
     const W* w = packed + s * slab_elements;
     const int64_t col0 = s * kSlabColumns, ncols = imin(kSlabColumns, a.n - col0);
     int64_t row = 0;
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t rows = (a.m - row) / (passes - p);
-      const PrefetchStream pf = lead_stream(w, slab_bytes, run_end, passes, p, a.k);
+      const PrefetchStream pf = slab_stream(w, slab_bytes, s == slab_begin, s + 1 < slab_end, passes, p, a.k);
       kPass[rows - 1](a.x + row * a.k, a.k, w, a.y + row * a.n + col0, a.n, ncols, a.bias ? a.bias + col0 : nullptr,
                   pf);
       row += rows;
@@ -274,15 +274,14 @@ void linear_slabs_bf16_pairs(const LinearArgs& a, int64_t slab_begin, int64_t sl
   const int64_t pairs = (a.k + 1) / 2, slab_elements = pairs * 2 * kSlabColumns;
   const int64_t passes = (a.m + kMaxRowsPerPass - 1) / kMaxRowsPerPass;
   const uint16_t* packed = static_cast<const uint16_t*>(a.packed);
-  const uint16_t* run_end = packed + slab_end * slab_elements;
-  prefetch_run_start(packed + slab_begin * slab_elements, run_end);
+  prefetch_run_start(packed + slab_begin * slab_elements, slab_elements * 2);
   for (int64_t s = slab_begin; s < slab_end; ++s) {
     const uint16_t* w = packed + s * slab_elements;
     const int64_t col0 = s * kSlabColumns, ncols = imin(kSlabColumns, a.n - col0);
     int64_t row = 0;
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t rows = (a.m - row) / (passes - p);
-      const PrefetchStream pf = lead_stream(w, slab_elements * 2, run_end, passes, p, pairs);
+      const PrefetchStream pf = slab_stream(w, slab_elements * 2, s == slab_begin, s + 1 < slab_end, passes, p, pairs);
       kPass[rows - 1](a.x_pairs + row * pairs, pairs, w, a.y + row * a.n + col0, a.n, ncols,
                       a.bias ? a.bias + col0 : nullptr, pf);
       row += rows;

@@ -130,7 +130,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
   }
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   // One contiguous range of slabs per thread, not runs from a shared counter (dispatch.h parallel_runs):
-  // a thread then keeps its prefetches 16 KiB ahead over its whole run (linear_slabs_of), which runs of one or two slabs
+  // a thread then prefetches its next slab all the way (linear_slabs_of), which runs of one or two slabs
   // cut short; the counter measured 3-40% slower at M = 1 and 13-25% at M = 64 (bench/linear.py shapes,
   // 3 alternating rounds, loaded 2-vCPU Xeon, OMP_WAIT_POLICY=passive).
   at::parallel_for(0, num_slabs(n), 1, [&](int64_t begin, int64_t end) {
