@@ -4,8 +4,8 @@
 // not by arithmetic, and the weights of a whole model pass through the caches once per step. So the
 // layout and loop order serve the stream: W is packed as [N / 48 slabs][K][48 columns], each slab one
 // contiguous run that a thread reads once, front to back, while it computes the slab's M x 48 outputs
-// from registers and prefetches the NEXT slab into L2. A slab is shared by every row of x (all of which
-// sit in L1/L2), so each weight byte is read once per call whatever M is.
+// from registers and prefetches the NEXT slab into L2. A slab is shared by every row of x (all of
+// which sit in L1/L2), so each weight byte is read once per call whatever M is.
 //
 // Included inside the ISA namespace, after vec.h: AVX-512 builds get the register-blocked kernel
 // (up to 8 rows x 48 columns in 24 zmm accumulators: 8-15% faster than 32 columns from 32 rows up, in
@@ -45,9 +45,9 @@ struct PrefetchStream {
 // and its first pass streams the rest of it, kLeadLines ahead of its loads, on top of its share of the
 // next. Left to the hardware prefetchers, that first slab per thread streamed slowly for 16-bit slabs
 // (with no software prefetch at all bf16 slabs ran 0.63-0.80x, fp32 level), and decode's small
-// matrices are only 6-10 slabs per thread at 2 threads: bench/linear.py's shapes at M = 1, a C++ harness
-// alternating builds on the 2-vCPU Xeon, split in two runs per thread as 2 threads run them: bf16
-// 1.03-1.05x, fp32 level.
+// matrices are only 6-10 slabs per thread at 2 threads. bench/linear.py's shapes in a C++ harness
+// alternating both builds on one loaded core of the 2-vCPU Xeon, each call split in two runs as 2
+// threads run it: M = 1 bf16 1.01-1.05x (medians of 4-5 rounds), fp32 0.96-1.01x; M = 8, 64 level.
 constexpr int64_t kLeadLines = 256;  // 16 KiB
 
 inline void prefetch_run_start(const void* run, int64_t slab_bytes) {
