@@ -15,6 +15,8 @@ from kvpage.spec_decode.config import speculative_config_arg  # [spec decode] pu
 # The scheduler's budgets where LLM(...) is given None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
+# Tokens per KV block where block_size is None.
+DEFAULT_BLOCK_SIZE = 16
 # The host pool for swap preemption where swap_space_gib is None.
 DEFAULT_SWAP_SPACE_GIB = 0.5
 # The dtype options' names (vLLM's), each with the torch dtype it names (None: the model's own, the weights as
@@ -64,7 +66,7 @@ class EngineOption:
 ENGINE_OPTIONS = (
     EngineOption("model", str, None, "a local HF model directory; nothing is downloaded (default: the embedded"
                  " SmolLM2-135M-Instruct)"),
-    EngineOption("block_size", positive_int, 16, "tokens per KV block (a power of two up to 256)"),
+    EngineOption("block_size", positive_int, DEFAULT_BLOCK_SIZE, "tokens per KV block (a power of two up to 256)"),
     EngineOption("num_kv_blocks", positive_int, None, "KV-cache blocks (default: what the memory budget holds:"
                  " 1 GiB on a CPU, half the free memory on a GPU)"),
     EngineOption("enable_prefix_caching", bool, True, "reuse the KV blocks of a prompt prefix computed before"),
