@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import urllib.request
 
 from kvpage import SamplingParams
@@ -49,6 +50,15 @@ def _health(url: str, method: str = "GET") -> int:
         return response.status
 
 
+def _wait_drained(llm, timeout: float = 30.0) -> None:
+    """Until the engine holds no request and no block. /metrics alone cannot say so: before the engine's first
+    step ends it reports the initial zero counts while that step still holds a request's block."""
+    engine, deadline = llm.llm_engine, time.monotonic() + timeout
+    while engine.has_unfinished_requests() or engine.block_manager.device.num_used:
+        assert time.monotonic() < deadline, "the engine still holds requests or blocks: a leak"
+        time.sleep(0.05)
+
+
 def test_1000_randomly_cancelled_submissions(model, tok):
     llm = make_llm(model, tok, num_kv_blocks=256)
     try:
@@ -57,6 +67,7 @@ def test_1000_randomly_cancelled_submissions(model, tok):
             finished = asyncio.run(_cancel_randomly(ctx, random.Random(0)))
             assert finished < NUM_SUBMISSIONS  # the cancels did land
             assert ctx.engine_loop.is_alive and _health(url) == 200
+            _wait_drained(llm)
             metrics = wait_idle(url)
             assert metrics["kvpage:num_requests_running"] == 0 and metrics["kvpage:num_requests_waiting"] == 0
             assert metrics["kvpage:kv_cache_usage_perc"] == 0
@@ -86,6 +97,7 @@ def test_a_closed_event_loop_withdraws_its_requests(model, tok):
                 await ctx.engine_loop.add_request("orphan", None, [5, 7, 9], SamplingParams(max_tokens=200,
                                                   ignore_eos=True), None, asyncio.Queue())
             asyncio.run(add_and_leave())  # returns at once; asyncio.run closes the loop
+            _wait_drained(llm)
             metrics = wait_idle(url)
             assert metrics["kvpage:generation_tokens_total"] < 200  # withdrawn, not run to its end
             assert ctx.engine_loop.is_alive and _health(url) == 200
