@@ -4,11 +4,11 @@ import os
 
 # libgomp spins 300,000 PAUSEs at every OpenMP barrier unless a process runs more OpenMP threads than CPUs
 # (then 1,000): on a shared or oversubscribed machine a team thread that loses its core leaves its partner
-# spinning for milliseconds per barrier, and a step ran 10-30x slower. kvpage's steps are short parallel regions
-# back to back, so waiting briefly and then sleeping costs little (vLLM sets KMP_BLOCKTIME=1 for Intel's runtime
-# for the same reason). It takes effect where kvpage is imported before torch loads libgomp, and in every process
-# kvpage starts; the user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
-GOMP_SPINCOUNT_DEFAULT = "1000"
+# spinning for tens of milliseconds per barrier and steps crawl. 30,000 (about a millisecond, as
+# vLLM's KMP_BLOCKTIME=1 for Intel's runtime) kept a quiet machine's speed, where 1,000 cost a few percent, and was
+# as fast as 1,000 beside CPU burners. It takes effect where kvpage is imported before torch loads libgomp, and in
+# every process kvpage starts; the user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+GOMP_SPINCOUNT_DEFAULT = "30000"
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
 
