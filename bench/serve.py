@@ -528,6 +528,8 @@ def main() -> dict:
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
+    if args.vllm and args.kv_cache_gib is not None and args.kv_cache_gib != int(args.kv_cache_gib):
+        parser.error("--kv-cache-gib must be whole GiB with --vllm (vLLM's CPU backend takes whole GiB)")
     if "process" not in args.engine_core.split(","):
         parser.error("--engine-core must include process (the report's kvpage serve)")
     with_vllm = args.vllm and vllm_launcher.available()
