@@ -55,7 +55,7 @@ def attach_offloading(runner, tokenizer, block_manager, scheduler, kv_offloading
     connector = OffloadingConnector(worker.tier, block_manager.block_size, save_now=worker.save,
                                     recompute_seconds=recompute_pricer(scheduler.config.cost_model),
                                     sliding_windows=block_manager.sliding_windows)
-    connector.verify_remote = getattr(worker, "probe", None)  # tensor parallelism: the other ranks' checks
+    connector.verify_remote = worker.probe  # tensor parallelism: the other ranks' checks (None otherwise)
     worker.load_cost = connector.load_cost
     block_manager.device.cache.on_evict = connector.on_evict
     scheduler.kv_connector = connector

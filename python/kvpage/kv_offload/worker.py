@@ -26,6 +26,10 @@ _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
 
 
 class KVOffloadWorker(Executor):
+    # probe(epoch, [(tier hash, key)]) -> [bool]: the other ranks' checks of their entries (kv_offload.tp's
+    # TPOffloadWorker); a single process has no other rank to ask.
+    probe = None
+
     def __init__(self, runner, tier, cache_runner=None) -> None:
         """runner: the Executor steps run on; cache_runner: the ModelRunner whose KV cache this process's
         blocks are in (default runner; under tensor parallelism the driver's rank-0 runner: kv_offload.tp)."""
