@@ -92,6 +92,11 @@ namespace kvpage {
 namespace cpu {
 KVPAGE_DECLARE_OPS
 KVPAGE_DECLARE_CPU_LAYER_OPS
+// CRC-32C (Castagnoli) of num_bytes at data, continuing from crc (0 to start; crc32c(B, crc32c(A)) ==
+// crc32c(AB)): the disk KV tier's payload checksum (cpu/checksum.cpp). SSE4.2's crc32 instruction where
+// the CPU has it and the kernels' ISA is not "generic", a portable table loop otherwise; same values.
+uint32_t crc32c(const void* data, size_t num_bytes, uint32_t crc);
+bool crc32c_uses_hardware();
 }  // namespace cpu
 #ifdef KVPAGE_WITH_CUDA
 namespace cuda {

@@ -70,6 +70,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("bf16_dot_available", &kvpage::cpu::bf16_dot_available,
         "Whether packed_linear takes pair-interleaved bf16 slabs (AVX512-BF16 dot products) here");
   m.attr("linear_slab_columns") = kvpage::cpu::kSlabColumns;
+  // [kv tier] The disk tier's payload checksum, on any contiguous bytes-like object; the GIL is released
+  // while it runs (the tier's writer thread checksums beside the engine's steps).
+  m.def(
+      "crc32c",
+      [](const pybind11::object& data, uint32_t crc) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) {
+          PyErr_Clear();
+          throw pybind11::type_error("crc32c: data must be a contiguous bytes-like object, got " +
+                                     std::string(Py_TYPE(data.ptr())->tp_name));
+        }
+        uint32_t out;
+        {
+          pybind11::gil_scoped_release released;
+          out = kvpage::cpu::crc32c(view.buf, static_cast<size_t>(view.len), crc);
+        }
+        PyBuffer_Release(&view);
+        return out;
+      },
+      pybind11::arg("data"), pybind11::arg("crc") = 0,
+      "CRC-32C (Castagnoli) of data, continuing from crc: crc32c(b, crc32c(a)) == crc32c(a + b)");
+  m.def("crc32c_uses_hardware", &kvpage::cpu::crc32c_uses_hardware,
+        "Whether crc32c runs on SSE4.2's crc32 instruction (else the portable loop) with the current ISA");
   m.def("range_checks_run", &kvpage::range_checks_run,
         "How many range checks (the checks that read index data) the ops have run in this process");
 #ifdef KVPAGE_WITH_CUDA

@@ -194,12 +194,13 @@ class OffloadingConnector(KVConnectorBase):
     def _read_local(self, seq: Sequence, match: "_Match", entries: list[tuple[int, int]]) -> bool:
         """Read entries from this process's tier until one fails (then a miss: False)."""
         bs = self.block_size
-        for g, i in entries:
-            payload = self.tier.get(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+        payloads = self.tier.get_many([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+                                       for g, i in entries])
+        for entry, payload in zip(entries, payloads):
             if payload is None:
-                match.bad.add((g, i))
+                match.bad.add(entry)
                 return False
-            match.payloads[(g, i)] = payload
+            match.payloads[entry] = payload
         return True
 
     def _verify_remote(self, seq: Sequence, match: "_Match", entries: list[tuple[int, int]]) -> bool:
