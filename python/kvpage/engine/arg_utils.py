@@ -15,6 +15,11 @@ from kvpage.spec_decode.config import speculative_config_arg  # [spec decode] pu
 # The scheduler's budgets where LLM(...) is given None.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
+# `kvpage serve`'s own defaults where they differ (vLLM's defaults per usage context): every stream waits for each
+# step, so a step's prompt tokens are every stream's inter-token gap. While prompts keep arriving, a full budget is
+# mostly prompt tokens, and a long step lets in the prompts that fill the next one; a smaller budget bounds the gap
+# for a few more (cheap) steps. Offline generation keeps the larger budget.
+SERVE_DEFAULTS = {"max_num_batched_tokens": 768}
 # Tokens per KV block where block_size is None.
 DEFAULT_BLOCK_SIZE = 16
 # The host pool for swap preemption where swap_space_gib is None.
@@ -148,19 +153,23 @@ def engine_signature(first: str, *extra: inspect.Parameter) -> inspect.Signature
     return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params, *extra])
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
-                    ) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                    defaults: dict | None = None) -> None:
     """The engine's flags on a command's parser: the options named in only (None: all), less those in skip (a
-    command whose own flag has that name, or serve's positional MODEL)."""
+    command whose own flag has that name, or serve's positional MODEL); defaults: the command's own default for
+    an option (SERVE_DEFAULTS), which its --help shows."""
     options = [option for option in ENGINE_OPTIONS if option.name not in skip and (only is None or option.name in only)]
     parser.set_defaults(engine_options=tuple(option.name for option in options))
     for option in options:
+        default, text = option.default, option.help
+        if defaults and option.name in defaults:
+            default = defaults[option.name]
+            text = f"{text.split(' (default: ')[0]} (default: {default})"
         if option.type is bool:
-            action = argparse.BooleanOptionalAction if option.default else "store_true"
-            parser.add_argument(option.flag, action=action, default=option.default, help=option.help)
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(option.flag, action=action, default=default, help=text)
         else:
-            parser.add_argument(option.flag, type=option.type, default=option.default, choices=option.choices,
-                                help=option.help)
+            parser.add_argument(option.flag, type=option.type, default=default, choices=option.choices, help=text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
