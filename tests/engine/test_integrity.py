@@ -145,12 +145,12 @@ def test_seeds_outside_64_bits_are_refused(seed):
 def test_an_orphan_can_not_be_left_by_a_failing_admission(llm, baseline, monkeypatch):
     """Anything raised while the request is being built (here: building its bad-words ids) leaves
     neither the scheduler nor the engine holding it."""
-    import kvpage.engine.llm_engine as llm_engine
+    import kvpage.engine.request_intake as request_intake
 
     def boom(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm_engine, "bad_words_token_ids", boom)
+    monkeypatch.setattr(request_intake, "bad_words_token_ids", boom)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([PROMPTS[0], PROMPTS[1]], [CONTROL, SamplingParams(bad_words=["x"])], use_tqdm=False)
     assert_whole_and_idle(llm)

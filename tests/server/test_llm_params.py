@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-import kvpage.engine.llm_engine as llm_engine
+import kvpage.engine.request_intake as request_intake
 from kvpage import SamplingParams
 from kvpage.engine.logits_processors import BANNING_BIAS
 
 
 def test_n_is_refused_before_its_samples_are_built(offline, monkeypatch):
     built = []
-    real = llm_engine._Sample
-    monkeypatch.setattr(llm_engine, "_Sample", lambda *a, **k: built.append(1) or real(*a, **k))
+    real = request_intake.SampleState
+    monkeypatch.setattr(request_intake, "SampleState", lambda *a, **k: built.append(1) or real(*a, **k))
     with pytest.raises(ValueError, match=r"n=1000000 exceeds max_num_seqs"):
         offline.generate("Hi", SamplingParams(n=10**6), use_tqdm=False)
     assert not built

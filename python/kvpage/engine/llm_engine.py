@@ -7,34 +7,26 @@ left here is the per-request view: sampling parameters, log-probabilities, text 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-from kvpage.core import BeamStep, FinishReason, Request, Scheduler, SchedulerOutput
+from kvpage.core import BeamStep, FinishReason, Scheduler, SchedulerOutput
 from kvpage.core.block_manager import CacheConfig
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.kv_cache_groups import KVCacheLayout
 
 from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
-from .beam_search import BeamSearchState, beam_output, new_beam_search, select_beams
+from .beam_search import BeamSearchState, select_beams
 from .cost_measurement import cost_model_stats, measured_cost_model, record_step_time
-from .detokenizer import IncrementalDetokenizer, find_stop
 from .executor_base import Executor
-from .logits_processors import bad_words_token_ids, check_some_token_sampleable
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampler import Sampler, SampleRow, SamplerOutput, TopLogprobs, rank_and_top
-from .sampling_params import SamplingParams, check_encodable
-
-
-def cache_salt_keys(cache_salt: str | None) -> tuple:
-    """The block-hash extra keys of a cache salt (kvpage.core.hashing): () without one."""
-    if cache_salt is None:
-        return ()
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be None or a non-empty string, got {cache_salt!r}")
-    return ("cache_salt", cache_salt)
+from .output_processing import OutputProcessing
+from .outputs import RequestOutput
+from .request_intake import RequestIntake
+from .request_state import RequestState, SampleState
+from .sampler import Sampler, SampleRow, SamplerOutput
+from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -59,37 +51,9 @@ class EngineConfig:
     kv_offloading_dir: str | None = None
 
 
-@dataclass
-class _Sample:
-    cumulative_logprob: float = 0.0
-    detok: IncrementalDetokenizer | None = None
-    logprobs: list[dict[int, Logprob]] | None = None  # one dict per output token, where params.logprobs is set
-    # [spec decode] the last speculative step's tokens: (token count after it, cumulative_logprob before it,
-    # its tokens' logprobs), for a stop string inside the run to take back the tokens it cuts.
-    spec_run: tuple[int, float, list[float]] | None = None
+class LLMEngine(RequestIntake, OutputProcessing):
+    """add_request and its checks: RequestIntake; a step's records, text and outputs: OutputProcessing."""
 
-
-@dataclass
-class _RequestState:
-    request: Request | None  # the scheduler's (its sequences hold the token ids); set as it is queued
-    prompt: str | None
-    params: SamplingParams
-    stream: bool
-    samples: list[_Sample]
-    index_of: dict[int, int]  # seq_id -> sample index (the order of the request's sequences)
-    stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: eos (unless ignore_eos) and stop_token_ids
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, position 1's, ...] so far
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
-    beam: BeamSearchState | None = None  # beam search: the search so far (the scheduler holds the beams)
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-
-    @property
-    def needs_detok(self) -> bool:
-        return self.stream or bool(self.params.stop)
-
-
-class LLMEngine:
     def __init__(self, runner: Executor, tokenizer, config: EngineConfig) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -106,7 +70,7 @@ class LLMEngine:
             from kvpage.kv_offload import attach_offloading
             self.runner, self.kv_connector = attach_offloading(runner, tokenizer, self.scheduler.bm, self.scheduler,
                                                                config.kv_offloading_size, config.kv_offloading_dir)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self.spec_decode = None  # [spec decode] kvpage.spec_decode.SpecDecode: see attach_spec_decode
         self._token_text: dict[int, str] = {}  # decoded_token of logprobs, one tokenizer call per id
         self.num_steps = 0
@@ -122,130 +86,7 @@ class LLMEngine:
         """The scheduler's block manager, for tests and the KV tier's wiring; the engine never calls it."""
         return self.scheduler.bm
 
-    # -- requests ------------------------------------------------------------------------------
-
-    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
-                    *, prompt_token_ids: list[int] | None = None, stream: bool = True,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) if it can never run: a prompt longer
-        than max_model_len, too long for the whole KV cache, or min_tokens with nothing but stop tokens
-        to sample, as vLLM's add_request does (an output reaching max_model_len stops there, "length").
-        stream=False: step() reports it only once finished, and its text is decoded once at the end.
-        A beam request (beam_width > 1) is scheduled with the others and reported once finished.
-        cache_salt (vLLM's): the request shares prefix-cache blocks only with requests of the same salt."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params = params.clone()  # checked again (fields may have been assigned), and the caller's may change now
-        stream = stream and not params.use_beam_search  # the best beams are known only at the end
-        text, token_ids = self.request_prompt(prompt, prompt_token_ids, params)
-        eos, *more_eos = self.config.eos_token_ids or (None,)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(more_eos))
-        # What min_tokens holds back: eos (unless ignore_eos) and every other stop token id.
-        held_back = stop_ids | ({eos} if eos is not None and not params.ignore_eos else set())
-        if params.min_tokens:
-            self._check_min_tokens_reachable(params, held_back)
-        self._check_logprobs(params)
-        # n (or beam_width) sample records are built next: what the scheduler would refuse is refused first.
-        self.scheduler.check_fits(request_id, len(token_ids), params.max_tokens, max(params.n, params.beam_width))
-        extra_keys = cache_salt_keys(cache_salt)
-        # Everything that can fail is done before the scheduler hears of the request (admission is
-        # all-or-nothing); the two registrations then happen together, Ctrl-C deferred.
-        state = self._new_state(text, token_ids, params, stream, held_back)
-        check_some_token_sampleable(params, state.bad_words_token_ids, self.runner.vocab_size)
-        if params.use_beam_search:
-            state.beam = new_beam_search(params, len(token_ids), self.config.max_model_len, self.config.eos_token_ids)
-        with deferred_interrupts():
-            state.request = self.scheduler.add_request(
-                request_id, token_ids, max_tokens=params.max_tokens, n=params.n, eos_token_id=eos,
-                stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
-                prompt_logits=params.prompt_logprobs is not None, extra_keys=extra_keys,
-                beam_width=params.beam_width)
-            state.index_of = {state.request.seqs[0].seq_id: 0}
-            self._states[request_id] = state
-            self.num_prompt_tokens += len(token_ids)
-
-    def _new_state(self, text: str | None, token_ids: list[int], params: SamplingParams, stream: bool,
-                   held_back: set[int]) -> _RequestState:
-        """A request's engine-side state, its scheduler request still to be attached."""
-        state = _RequestState(None, text, params, stream, [_Sample() for _ in range(params.n)], {})
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs = [None]
-        if params.bad_words:
-            state.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        if params.min_tokens:
-            state.stop_ids = tuple(sorted(held_back))
-        for sample in state.samples:
-            if state.needs_detok:
-                sample.detok = IncrementalDetokenizer(len(token_ids), params.skip_special_tokens)
-            if params.logprobs is not None:
-                sample.logprobs = []
-        return state
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's max_logprobs: more than that many alternatives per token is refused, not computed."""
-        cap = self.config.max_logprobs if self.config.max_logprobs >= 0 else self.runner.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > cap:
-                raise ValueError(f"{name}={k} exceeds max_logprobs={cap} (the most log-probabilities per token"
-                                 " this engine returns; LLM(max_logprobs=...) raises it)")
-
-    def request_prompt(self, prompt, prompt_token_ids: list[int] | None,
-                       params: SamplingParams) -> tuple[str | None, list[int]]:
-        """A request's (text, token ids): tokenized and checked, with its params' token ids checked
-        against the vocabulary, and truncate_prompt_tokens applied (vLLM's left truncation)."""
-        text, token_ids = self.tokenize_prompt(prompt, prompt_token_ids)
-        self._check_token_options(params)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]
-        return text, token_ids
-
-    def _check_min_tokens_reachable(self, params: SamplingParams, stop_ids: set[int]) -> None:
-        """min_tokens holds back every stop token; where nothing else may be sampled (allowed_token_ids,
-        or the whole vocabulary, all stop tokens) no token could come out at all."""
-        candidates = params.allowed_token_ids if params.allowed_token_ids is not None else range(self.runner.vocab_size)
-        if all(t in stop_ids for t in candidates):
-            raise ValueError(f"min_tokens={params.min_tokens}: every token the request may sample"
-                             f" ({'allowed_token_ids' if params.allowed_token_ids is not None else 'the vocabulary'})"
-                             f" is a stop token, which min_tokens holds back")
-
-    def _check_token_options(self, params: SamplingParams) -> None:
-        """Token ids the options name must lie in the vocabulary (an index past it would fail mid-step);
-        bad_words need a tokenizer to become token ids."""
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias to ban token ids)")
-        vocab = self.runner.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
-            ids = getattr(params, name)
-            if ids and max(ids) >= vocab:
-                raise ValueError(f"{name} names token id {max(ids)}, outside the vocabulary (vocab_size={vocab})")
-
-    def tokenize_prompt(self, prompt, prompt_token_ids: list[int] | None = None) -> tuple[str | None, list[int]]:
-        """(text, checked token ids); with prompt_token_ids (already tokenised: chat templates) the prompt
-        is just the text."""
-        if prompt_token_ids is None:
-            return self.tokenize(prompt)
-        return prompt, self.tokenize(list(prompt_token_ids))[1]
-
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            check_encodable(prompt, "prompt")
-            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
-        else:
-            text, token_ids = None, list(prompt) if isinstance(prompt, (list, tuple)) else []
-            if not token_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-                raise ValueError("prompt must be a string or a non-empty list of int token ids")
-        vocab = self.runner.vocab_size
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
-            got = f"{min(token_ids)}..{max(token_ids)}"
-            if text is not None:  # an index past the embedding would fail mid-step (on CUDA: a device assert)
-                raise ValueError(f"the tokenizer gives this prompt token ids {got}, outside the model's vocabulary"
-                                 f" [0, vocab_size={vocab}): is it another model's tokenizer?")
-            raise ValueError(f"prompt token ids must lie in [0, vocab_size={vocab}), got {got}")
-        return text, token_ids
+    # -- requests (add_request: RequestIntake) -------------------------------------------------
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -370,7 +211,7 @@ class LLMEngine:
         if self.num_steps % 256 == 0:
             self.spec_decode.forget(seq.seq_id for seq in self.scheduler.sequences())
 
-    def _add_spec_run(self, sample: _Sample, num_tokens: int, verified, kept: int) -> None:
+    def _add_spec_run(self, sample: SampleState, num_tokens: int, verified, kept: int) -> None:
         """[spec decode] The log-probabilities of the run's first `kept` tokens (those the sequence took), added
         one token at a time as decoding adds them, so that the sums agree."""
         sample.spec_run = (num_tokens, sample.cumulative_logprob, verified.logprobs[:kept])
@@ -381,7 +222,7 @@ class LLMEngine:
                                                           verified.top_logprobs[k]))
 
     @staticmethod
-    def _take_back_spec_run(seq, sample: _Sample, end: int) -> None:
+    def _take_back_spec_run(seq, sample: SampleState, end: int) -> None:
         """[spec decode] A stop string at token count `end`, inside the last speculative step's run: the
         run's tokens past it leave the output's log-probabilities (the sum is redone, not subtracted from)."""
         if sample.spec_run is None or sample.spec_run[0] != seq.num_tokens or end >= seq.num_tokens:
@@ -424,7 +265,7 @@ class LLMEngine:
             self.num_generation_tokens += len(step.children)
 
     @staticmethod
-    def _sample_row(state: _RequestState, s) -> SampleRow:
+    def _sample_row(state: RequestState, s) -> SampleRow:
         """One row for the sampler; the token history and stop ids only where the request's
         penalties or min_tokens read them (a plain row carries nothing extra)."""
         params = state.params
@@ -447,144 +288,6 @@ class LLMEngine:
         if result is None:
             return {}
         return {s.seq_id: tokens if s.num_samples > 1 else tokens[0] for s, tokens in zip(rows, result.tokens)}
-
-    def _record_samples(self, rows, sample_rows: list[SampleRow], result: SamplerOutput | None) -> None:
-        """Log-probabilities and counters, only once the scheduler took the step (a failed step adds nothing)."""
-        if result is None:
-            return
-        now = time.perf_counter()
-        tops = result.top_logprobs or [None] * len(rows)
-        for s, row, tokens, logprobs, top in zip(rows, sample_rows, result.tokens, result.logprobs, tops):
-            state = self._states[s.request_id]
-            if state.first_token_time is None:
-                state.first_token_time = now
-            for k, lp in enumerate(logprobs):
-                sample = state.samples[row.sample_index + k]
-                sample.cumulative_logprob += lp
-                if top is not None and sample.logprobs is not None:
-                    sample.logprobs.append(self._logprob_dict(tokens[k], lp, top[k]))
-            self.num_generation_tokens += len(tokens)
-
-    def _prompt_logprobs(self, scheduled, logits: torch.Tensor) -> list[tuple[_RequestState, int, list]]:
-        """(state, first position, one Logprob dict per position) for each sequence whose prompt logits
-        came back: position p's row gives the log-probability of prompt token p + 1."""
-        found, row = [], 0
-        for s in scheduled:
-            positions = s.prompt_logit_positions
-            if not positions:
-                continue
-            chunk, row = logits[row:row + len(positions)], row + len(positions)
-            if chunk.shape[0] != len(positions):
-                raise RuntimeError(f"the runner returned {len(logits)} prompt-logit rows; the step asked for more"
-                                   " (prompt_logit_positions: see kvpage.core.scheduler_output.logits_rows)")
-            state = self._states.get(s.request_id)
-            if state is None or state.prompt_logprobs is None:
-                continue
-            targets = state.request.prompt_token_ids[positions.start + 1:positions.stop + 1]
-            own, tops = rank_and_top(chunk.float().log_softmax(dim=-1), torch.tensor(targets, device=chunk.device),
-                                     state.params.prompt_logprobs)
-            entries = [self._logprob_dict(t, lp, top) for t, lp, top in zip(targets, own.tolist(), tops)]
-            found.append((state, positions.start, entries))
-        return found
-
-    def _logprob_dict(self, token: int, logprob: float, top: TopLogprobs) -> dict[int, Logprob]:
-        """vLLM's per-token dict: the sampled token first, then the top-k (one entry if it is among them)."""
-        entries = {token: Logprob(logprob, top.rank, self._decoded(token))}
-        for t, lp, rank in zip(top.token_ids, top.logprobs, top.ranks):
-            if t not in entries:
-                entries[t] = Logprob(lp, rank, self._decoded(t))
-        return entries
-
-    def _decoded(self, token: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
-        return text
-
-    def _process(self, rows) -> list[RequestOutput]:
-        touched: dict[str, _RequestState] = {}
-        for s in rows:
-            state = self._states.get(s.request_id)
-            if state is None:
-                continue
-            if s.num_samples > 1:  # the scheduler just forked the samples, in order
-                state.index_of = {seq.seq_id: i for i, seq in enumerate(state.request.seqs)}
-            touched[s.request_id] = state
-        outputs = []
-        for rid, state in touched.items():
-            if state.needs_detok:
-                self._detokenize(state)
-            finished = state.request.status.is_finished
-            if finished and state.beam is not None:
-                outputs.append(beam_output(state.beam, rid, state.prompt, state.request.prompt_token_ids,
-                                           state.params, self.tokenizer, self._metrics(state)))
-            elif finished or state.stream:
-                outputs.append(self._make_output(state, finished))
-            if finished:
-                del self._states[rid]
-        return outputs
-
-    # -- text ----------------------------------------------------------------------------------
-
-    def _detokenize(self, state: _RequestState) -> None:
-        params = state.params
-        for seq, sample in zip(state.request.seqs, state.samples):
-            for end in self._detok_ends(seq, sample):
-                new = sample.detok.update(self.tokenizer, seq.token_ids[:end] if end < seq.num_tokens else seq.token_ids)
-                # Before min_tokens output tokens exist a stop string ends nothing (vLLM's StopChecker).
-                if not (new and params.stop) or end - seq.num_prompt_tokens < params.min_tokens:
-                    continue
-                span = find_stop(sample.detok.text, len(new), params.stop)
-                if span is not None:
-                    sample.detok.text = sample.detok.text[:span[1] if params.include_stop_str_in_output else span[0]]
-                    sample.detok.stopped = True
-                    self._finish_sequence(state.request, seq)
-                    self._take_back_spec_run(seq, sample, end)  # [spec decode]
-                    del seq.token_ids[end:]  # [spec decode] tokens a step accepted past the stop string
-                    break
-
-    def _detok_ends(self, seq, sample: _Sample):
-        """The token counts to detokenize at: the sequence's own, or [spec decode] each one a step that
-        appended several went through, so that a stop string ends the output where it would without."""
-        if self.spec_decode is None or sample.detok.stopped:
-            return (seq.num_tokens,)
-        return range(min(seq.num_prompt_tokens + sample.detok.read_offset + 1, seq.num_tokens), seq.num_tokens + 1)
-
-    def _finish_sequence(self, request: Request, seq) -> None:
-        """Stop one sequence on a stop string: the scheduler only knows token-id stops."""
-        self.scheduler.finish_sequences(request.request_id, [seq.seq_id], FinishReason.STOP)
-
-    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        request = state.request
-        completions = []
-        for i, (seq, sample) in enumerate(zip(request.seqs, state.samples)):
-            token_ids = seq.output_token_ids
-            reason = request.finish_reasons.get(seq.seq_id)
-            if sample.detok is not None:
-                if finished:
-                    sample.detok.flush(self.tokenizer, seq.token_ids)
-                text = sample.detok.text
-            elif self.tokenizer is not None and finished:
-                text = self.tokenizer.decode(token_ids, skip_special_tokens=state.params.skip_special_tokens)
-            else:
-                text = ""
-            completions.append(CompletionOutput(i, text, list(token_ids), reason.value if reason else None,
-                                                sample.cumulative_logprob,
-                                                list(sample.logprobs) if sample.logprobs is not None else None))
-        metrics = self._metrics(state)
-        prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
-        cached = request.num_cached_tokens if request.num_cached_tokens >= 0 else None
-        return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, completions,
-                             finished, metrics, prompt_logprobs, cached)
-
-    @staticmethod
-    def _metrics(state: _RequestState) -> dict:
-        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
-        if state.first_token_time is not None:
-            metrics["ttft"] = state.first_token_time - state.arrival_time
-        return metrics
 
     # -- statistics ----------------------------------------------------------------------------
 
