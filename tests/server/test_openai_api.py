@@ -3,6 +3,7 @@ same prompts, n, logprobs against HF's own forward pass, echo, stop strings, usa
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 import openai
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvpage import SamplingParams
+from kvpage.server.serving import json_str
 from server_helpers import MODEL_NAME, post, scrape
 
 PROMPTS = ["Hello world", "The capital of France is", "Once upon a time, in a land far away,", "1 2 3 4",
@@ -176,3 +178,31 @@ def test_models_health_tokenize_detokenize(client, server, tok):
     status, body = post(url + "/tokenize", {"messages": CHAT})
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert status == 200 and body["tokens"] == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPTS[2], "n": 2, "stop": ["e"]}),
+    ("/v1/completions", {"prompt": PROMPTS[0], "logprobs": 2, "echo": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2}),
+])
+def test_streamed_events_are_written_as_json_dumps_writes_them(server, path, body):
+    """Streams fill their chunks into templates (serving.chunk_head / sse_chunk): every event must stay the
+    bytes json.dumps writes for its object, keys in order, as before the templates."""
+    request = urllib.request.Request(server[0] + path, json.dumps(
+        {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+         "stream_options": {"include_usage": True}, **body}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    payloads = [e.removeprefix("data: ") for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-2]) and len(payloads) > 2
+    for payload in payloads:
+        assert json.dumps(json.loads(payload)) == payload
+    assert json.loads(payloads[-1])["usage"]["completion_tokens"] > 0
+
+
+def test_json_str_is_json_dumps_of_a_str():
+    for text in ["", "plain", 'quote " backslash \\ slash /', "\n\t\r\x00\x1f\x7f", "é€😀", "\u2028\u2029", None]:
+        assert json_str(text) == json.dumps(text)

@@ -205,7 +205,7 @@ def decode_outputs(rows: list[tuple], prompt_ids: dict[str, list[int] | None]) -
     emptied at its final one. An output of a request no longer there (aborted meanwhile) keeps None."""
     outputs = []
     for row in rows:
-        out = RequestOutput(**dict(zip(_REQUEST_FIELDS, row)))
+        out = RequestOutput(*row)  # encode_outputs' rows hold every field, in the dataclass' order
         out.outputs = [CompletionOutput(*c) for c in out.outputs]
         rid = out.request_id
         if out.prompt_token_ids is None:

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from concurrent.futures import Executor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -141,14 +142,24 @@ class Submitted:
         """(prompt index, RequestOutput) as the engine reports them, until every prompt finished.
         Leaving early (the client went away: the consumer is cancelled or closes this) aborts the
         unfinished ones, which frees their blocks before the engine's next step."""
+        async with aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """outputs(), one list per wake-up of the handler: what a step (or the steps since the last
+        wake-up) produced, so that a stream writes it to its client at once."""
         index_of = {rid: i for i, rid in enumerate(self.ids)}
         try:
             while self.pending:
+                batch = []
                 for out in await self._latest():
                     if out.finished:
                         self.pending.discard(out.request_id)
                         self.ctx.metrics.observe_finished(out, self.arrival)
-                    yield index_of[out.request_id], out
+                    batch.append((index_of[out.request_id], out))
+                yield batch
         finally:
             self.abort()
 
@@ -232,6 +243,30 @@ def usage(final: list[RequestOutput]) -> dict:
 
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# A stream writes one event per token per request: its chunks are filled into templates rather than encoded
+# whole by json.dumps, byte for byte what sse(body) writes (the client's bytes do not change).
+_json_str = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii, json.dumps' default)
+
+
+def json_str(text: str | None) -> str:
+    """json.dumps(text) for a str or None."""
+    return "null" if text is None else _json_str(text)
+
+
+def chunk_head(body: dict) -> str:
+    """json.dumps(body), whose "choices" is empty and its last key, up to and with the choices' "[": a stream's
+    chunk events are written as sse_chunk(head, choice)."""
+    text = json.dumps(body)
+    if not (text.endswith('"choices": []}') and isinstance(body.get("choices"), list)):
+        raise ValueError(f"chunk_head needs a body that ends with empty choices, got {text[-40:]!r}")
+    return text[:-2]
+
+
+def sse_chunk(head: str, choice: str) -> str:
+    """sse(body) for body = chunk_head's with one choice, choice being json.dumps of that choice."""
+    return f"data: {head}{choice}]}}\n\n"
 
 
 def sse_error(error: Exception) -> str:

@@ -2,7 +2,9 @@
 n choices, logprobs in chat's format, streamed or whole."""
 from __future__ import annotations
 
+import json
 import time
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
@@ -12,8 +14,8 @@ from .engine_loop import EngineStepError
 from .errors import RequestError
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest, ChatMessage
-from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, new_id, sampling_params, sse, sse_error,
-                      stream_holdback, submit, usage)
+from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, chunk_head, json_str, new_id,
+                      sampling_params, sse, sse_chunk, sse_error, stream_holdback, submit, usage)
 
 
 def _content(message: ChatMessage) -> str | None:
@@ -80,30 +82,50 @@ class ChatAnswer:
         return self._body("chat.completion", choices, usage=usage([final]))
 
     async def stream(self) -> AsyncIterator[str]:
+        """The events of each wake-up in one piece (one write to the client): a step's chunks, and with the
+        last one the usage and [DONE]."""
         choices: dict[int, ChoiceStream] = {}
         final = None
+        head = chunk_head(self._body("chat.completion.chunk", []))
+        events: list[str] = []
         try:
-            async for _, out in self.sub.outputs():
-                for c in out.outputs:
-                    state = choices.setdefault(c.index, ChoiceStream(self.holdback))
-                    if not state.finished:
-                        chunk = self._delta(c, state)
-                        if chunk is not None:
-                            yield sse(self._body("chat.completion.chunk", [chunk]))
-                final = out
+            async with aclosing(self.sub.batches()) as batches:
+                async for batch in batches:
+                    for _, out in batch:
+                        for c in out.outputs:
+                            state = choices.get(c.index)
+                            if state is None:
+                                state = choices[c.index] = ChoiceStream(self.holdback)
+                            if not state.finished:
+                                chunk = self._delta(c, state)
+                                if chunk is not None:
+                                    events.append(sse_chunk(head, chunk))
+                        final = out
+                    if self.sub.pending and events:
+                        yield "".join(events)
+                        events = []
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield sse(self._body("chat.completion.chunk", [], usage=usage([final])))
+                events.append(sse(self._body("chat.completion.chunk", [], usage=usage([final]))))
         except (EngineStepError, RequestError) as e:
-            yield sse_error(e)
-        yield sse("[DONE]")
+            events.append(sse_error(e))
+        events.append(sse("[DONE]"))
+        yield "".join(events)
 
-    def _delta(self, c: CompletionOutput, state: ChoiceStream) -> dict | None:
+    def _delta(self, c: CompletionOutput, state: ChoiceStream) -> str | None:
+        """The choice's chunk as JSON, or None where it has nothing to send yet."""
         text, tokens, reason = state.delta(c)
+        if state.started and not self.req.logprobs:
+            if not (text or reason):
+                return None
+            # json.dumps of the general case's dict, without encoding it whole.
+            delta = f'{{"content": {json_str(text)}}}' if text else "{}"
+            return f'{{"index": {c.index}, "delta": {delta}, "logprobs": null, "finish_reason": {json_str(reason)}}}'
         delta = {"content": text} if text or not state.started else {}
         if not state.started:
             state.started = True
             delta["role"] = "assistant"
         elif not (text or reason or (self.req.logprobs and c.token_ids[tokens])):
             return None
-        return {"index": c.index, "delta": delta,
-                "logprobs": self._logprobs(c.token_ids[tokens], (c.logprobs or [])[tokens]), "finish_reason": reason}
+        return json.dumps({"index": c.index, "delta": delta,
+                           "logprobs": self._logprobs(c.token_ids[tokens], (c.logprobs or [])[tokens]),
+                           "finish_reason": reason})

@@ -2,7 +2,9 @@
 lm-eval's loglikelihood requests expect), n choices per prompt, streamed or whole."""
 from __future__ import annotations
 
+import json
 import time
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
@@ -11,8 +13,8 @@ from .engine_loop import EngineStepError
 from .errors import RequestError
 from .logprobs import completion_logprobs
 from .protocol import CompletionRequest
-from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, new_id, sampling_params, sse, sse_error,
-                      stream_holdback, submit, usage)
+from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, chunk_head, json_str, new_id,
+                      sampling_params, sse, sse_chunk, sse_error, stream_holdback, submit, usage)
 
 
 def completion_prompts(ctx: ServingContext, prompt) -> list[EnginePrompt]:
@@ -89,26 +91,47 @@ class CompletionAnswer:
         return self._body(choices, usage=usage([final[i] for i in sorted(final)]))
 
     async def stream(self) -> AsyncIterator[str]:
+        """The events of each wake-up in one piece (one write to the client): a step's chunks, and with the
+        last one the usage and [DONE]."""
         choices: dict[tuple[int, int], ChoiceStream] = {}
         final: dict[int, RequestOutput] = {}
+        head = chunk_head(self._body([]))
+        events: list[str] = []
         try:
-            async for i, out in self.sub.outputs():
-                for c in out.outputs:
-                    state = choices.setdefault((i, c.index), ChoiceStream(self.holdback))
-                    if not state.finished:
-                        chunk = self._delta(i, out, c, state)
-                        if chunk is not None:
-                            yield sse(self._body([chunk]))
-                if out.finished:
-                    final[i] = out
+            async with aclosing(self.sub.batches()) as batches:
+                async for batch in batches:
+                    for i, out in batch:
+                        for c in out.outputs:
+                            state = choices.get((i, c.index))
+                            if state is None:
+                                state = choices[(i, c.index)] = ChoiceStream(self.holdback)
+                            if not state.finished:
+                                chunk = self._delta(i, out, c, state)
+                                if chunk is not None:
+                                    events.append(sse_chunk(head, chunk))
+                        if out.finished:
+                            final[i] = out
+                    if self.sub.pending and events:
+                        yield "".join(events)
+                        events = []
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield sse(self._body([], usage=usage([final[i] for i in sorted(final)])))
+                events.append(sse(self._body([], usage=usage([final[i] for i in sorted(final)]))))
         except (EngineStepError, RequestError) as e:
-            yield sse_error(e)
-        yield sse("[DONE]")
+            events.append(sse_error(e))
+        events.append(sse("[DONE]"))
+        yield "".join(events)
 
-    def _delta(self, i: int, out: RequestOutput, c: CompletionOutput, state: ChoiceStream) -> dict | None:
+    def _delta(self, i: int, out: RequestOutput, c: CompletionOutput, state: ChoiceStream) -> str | None:
+        """The choice's chunk as JSON, or None where it has nothing to send yet."""
         text, tokens, reason = state.delta(c)
+        index = i * self.req.n + c.index
+        if self.req.logprobs is None and (state.started or not self.req.echo):
+            state.started = True
+            if not (text or reason):
+                return None
+            # json.dumps of _choice(...)'s dict, without encoding it whole.
+            return (f'{{"index": {index}, "text": {json_str(text)}, "logprobs": null,'
+                    f' "finish_reason": {json_str(reason)}}}')
         token_ids, entries = c.token_ids[tokens], (c.logprobs or [])[tokens]
         if not state.started:
             state.started = True
@@ -116,7 +139,7 @@ class CompletionAnswer:
             text, token_ids, entries = echo_text + text, echo_ids + token_ids, echo_entries + entries
         if not (text or reason or (self.req.logprobs is not None and token_ids)):
             return None
-        chunk = self._choice(i * self.req.n + c.index, text, token_ids, entries, reason, state.text_offset)
+        chunk = self._choice(index, text, token_ids, entries, reason, state.text_offset)
         if chunk["logprobs"] is not None:
             state.text_offset += sum(len(t) for t in chunk["logprobs"]["tokens"])
-        return chunk
+        return json.dumps(chunk)
