@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from kvpage import cli
-from kvpage.engine.arg_utils import ENGINE_DEFAULTS, ENGINE_OPTIONS, engine_kwargs
+from kvpage.engine.arg_utils import ENGINE_DEFAULTS, ENGINE_OPTIONS, OPTIONS, SERVE_DEFAULTS, engine_kwargs
 from kvpage.engine.llm import LLM
 
 # LLM keywords that are objects, not command-line values.
@@ -39,7 +39,21 @@ def test_flags_reach_llm_by_name():
     args = cli.build_parser().parse_args(["serve", "--block-size", "32", "--no-enable-prefix-caching",
                                           "--max-num-seqs", "4", "--kv-cache-dtype", "fp8"])
     defaults = {name: value for name, value in ENGINE_DEFAULTS.items() if name != "model"}  # serve's is positional
+    defaults.update(SERVE_DEFAULTS)
     assert engine_kwargs(args) == {**defaults, "block_size": 32, "enable_prefix_caching": False, "max_num_seqs": 4,
                                    "kv_cache_dtype": "fp8"}
     generate = engine_kwargs(cli.build_parser().parse_args(["generate", "hi", "--seed", "7"]))
     assert "seed" not in generate and generate["model"] is None  # --seed is SamplingParams'
+
+
+def test_serve_has_its_own_defaults_and_shows_them():
+    """SERVE_DEFAULTS reach `kvpage serve`'s engine and its --help; the other commands and LLM(...) keep the
+    engine's own (None: the offline fallback)."""
+    serve, generate = _parser("serve"), _parser("generate")
+    for name, value in SERVE_DEFAULTS.items():
+        assert value != ENGINE_DEFAULTS[name]
+        assert engine_kwargs(serve.parse_args([]))[name] == value
+        assert engine_kwargs(generate.parse_args(["hi"]))[name] == ENGINE_DEFAULTS[name]
+        flag = next(action for action in serve._actions if action.dest == name)
+        assert flag.help.endswith(f"(default: {value})") and f"(default: {value})" in serve.format_help()
+        assert getattr(serve.parse_args([OPTIONS[name].flag, "64"]), name) == 64

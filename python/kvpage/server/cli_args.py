@@ -5,7 +5,7 @@ import argparse
 import logging
 import socket
 
-from kvpage.engine.arg_utils import add_engine_args, engine_kwargs, positive_int
+from kvpage.engine.arg_utils import SERVE_DEFAULTS, add_engine_args, engine_kwargs, positive_int
 
 logger = logging.getLogger("kvpage.server")
 
@@ -48,7 +48,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="where the engine core (scheduler, runner, detokenizer) runs: a process of its own, so that"
                         " HTTP never competes with a step for the GIL (default), or a thread of the server's"
                         " process")
-    add_engine_args(p, skip=("model",))
+    add_engine_args(p, skip=("model",), defaults=SERVE_DEFAULTS)  # the server's own budgets
     return p
 
 
