@@ -10,6 +10,7 @@
 #include <ATen/record_function.h>
 
 #include "../ops.h"
+#include "dispatch.h"
 
 namespace kvpage {
 namespace cpu {
@@ -30,6 +31,16 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   at::Tensor out = at::empty({input.size(0), out_features}, input.options());
   RECORD_FUNCTION("kvpage::packed_linear", std::vector<c10::IValue>());
   packed_linear(out, input, packed, bias);
+  return out;
+}
+
+// residual + (input @ W.T + bias) as one pass of the linear's output stores (packed_linear_add): the same
+// bits as the separate add, without another sweep over [rows, out_features] and its allocation.
+at::Tensor linear_add(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& residual) {
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  RECORD_FUNCTION("kvpage::packed_linear", std::vector<c10::IValue>());
+  packed_linear_add(out, input, packed, bias, residual);
   return out;
 }
 
@@ -89,8 +100,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& hidden, at::TensorList weights,
     paged_prefill_attention(attn, q_rot, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                             check_ranges, 1.0, 1.0, std::nullopt, sliding_window, softcap, sinks);
   }
-  const int64_t hidden_size = hidden.size(1);
-  const at::Tensor x = hidden + linear(attn.view({tokens, -1}), weights[kO], hidden_size, bias_at(biases, kOBias));
+  const at::Tensor x = linear_add(attn.view({tokens, -1}), weights[kO], bias_at(biases, kOBias), hidden);
 
   const at::Tensor h2 = norm(x, weights[kPostNorm], epsilons[1]);
   const at::Tensor gate_up = linear(h2, weights[kGateUp], 2 * intermediate, bias_at(biases, kGateUpBias));
@@ -99,7 +109,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& hidden, at::TensorList weights,
     RECORD_FUNCTION("kvpage::silu_and_mul", std::vector<c10::IValue>());
     silu_and_mul(act, gate_up.slice(1, 0, intermediate), gate_up.slice(1, intermediate));
   }
-  return x + linear(act, weights[kDown], hidden_size, bias_at(biases, kDownBias));
+  return linear_add(act, weights[kDown], bias_at(biases, kDownBias), x);
 }
 
 }  // namespace cpu

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -22,6 +24,10 @@ std::vector<std::string> available_isas();
 // Whether packed_linear can take pair-interleaved bf16 slabs (bf16 dot products): the avx512 kernels
 // are active and the CPU has AVX512-BF16 (linear_ops.cpp).
 bool bf16_dot_available();
+// packed_linear's out = (input @ W.T + bias) + residual in one pass, residual [m, n] float32 contiguous
+// (linear_ops.cpp): a decoder layer's residual adds without a separate elementwise pass.
+void packed_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& residual);
 
 // Runs body(first, last, scratch) over [0, num_items) in runs of consecutive items handed out from a
 // shared counter to torch's intra-op threads, so items of very different costs still balance across

@@ -75,16 +75,21 @@ inline float weight_to_float(HalfBits w) { return half_to_float(w.bits); }
 
 #if defined(__AVX512F__)
 
-// y[r][0..ncols) = acc[r] + bias for a pass's R rows. Masked stores: the last slab of an N that is not a
-// multiple of 48 holds padding columns.
+// y[r][0..ncols) = (acc[r] + bias) + residual[r] for a pass's R rows (residual rows share y's stride;
+// no residual: acc + bias). Masked stores: the last slab of an N that is not a multiple of 48 holds
+// padding columns.
 template <int R>
 inline void store_slab_rows(const __m512 (&acc)[R][kSlabColumns / 16], float* y, int64_t ldy, int64_t ncols,
-                            const float* bias) {
+                            const float* bias, const float* residual) {
   for (int v = 0; v < kSlabColumns / 16; ++v) {
     const int64_t valid = ncols - 16 * v;
     const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : valid <= 0 ? 0 : __mmask16((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, _mm512_add_ps(acc[r][v], b));
+    for (int r = 0; r < R; ++r) {
+      __m512 out = _mm512_add_ps(acc[r][v], b);
+      if (residual) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, residual + r * ldy + 16 * v));
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask, out);
+    }
   }
 }
 
@@ -101,7 +106,7 @@ inline void prefetch_outputs(float* y, int64_t ldy, int64_t ncols) {
 
 template <int R, typename W>
 void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
-               const float* bias, PrefetchStream pf) {
+               const float* bias, const float* residual, PrefetchStream pf) {
   constexpr int V = kSlabColumns / 16;  // zmm vectors per slab row
   prefetch_outputs<R>(y, ldy, ncols);
   __m512 acc[R][V];
@@ -116,25 +121,30 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
-  store_slab_rows<R>(acc, y, ldy, ncols, bias);
+  store_slab_rows<R>(acc, y, ldy, ncols, bias, residual);
 }
 
 #elif defined(KVPAGE_VEC_AVX2)
 
-// out + the bias of its columns into y's first `valid` columns (a slab's last vector may hold padding).
-inline void store_columns(float* y, __m256 out, const float* bias, int64_t valid) {
+// (out + the bias of its columns) + residual into y's first `valid` columns (a slab's last vector may
+// hold padding; bias and residual may be null).
+inline void store_columns(float* y, __m256 out, const float* bias, const float* residual, int64_t valid) {
   if (valid >= 8) {
-    _mm256_storeu_ps(y, bias ? _mm256_add_ps(out, _mm256_loadu_ps(bias)) : out);
+    if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(y, residual ? _mm256_add_ps(out, _mm256_loadu_ps(residual)) : out);
     return;
   }
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, out);
-  for (int64_t c = 0; c < valid; ++c) y[c] = tmp[c] + (bias ? bias[c] : 0.f);
+  for (int64_t c = 0; c < valid; ++c) {
+    const float with_bias = tmp[c] + (bias ? bias[c] : 0.f);
+    y[c] = residual ? with_bias + residual[c] : with_bias;
+  }
 }
 
 template <int R, typename W>
 void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
-               const float* bias, PrefetchStream pf) {
+               const float* bias, const float* residual, PrefetchStream pf) {
   constexpr int kHalf = kSlabColumns / 2, V = kHalf / 8;  // 24 columns: 3 ymm vectors
   for (int h = 0; h < 2; ++h) {
     const W* wh = w + h * kHalf;
@@ -160,7 +170,9 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
       const int64_t col = h * kHalf + 8 * v;
       if (col >= ncols) continue;
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) store_columns(y + r * ldy + col, acc[r][v], bias ? bias + col : nullptr, ncols - col);
+      for (int r = 0; r < R; ++r)
+        store_columns(y + r * ldy + col, acc[r][v], bias ? bias + col : nullptr,
+                      residual ? residual + r * ldy + col : nullptr, ncols - col);
     }
   }
 }
@@ -169,7 +181,7 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
 
 template <int R, typename W>
 void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy, int64_t ncols,
-               const float* bias, PrefetchStream pf) {
+               const float* bias, const float* residual, PrefetchStream pf) {
   float acc[R][kSlabColumns] = {};
   float wk[kSlabColumns];
   for (int64_t k = 0; k < k_dim; ++k) {
@@ -182,13 +194,17 @@ void slab_pass(const float* x, int64_t k_dim, const W* w, float* y, int64_t ldy,
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
+    for (int64_t c = 0; c < ncols; ++c) {
+      const float with_bias = acc[r][c] + (bias ? bias[c] : 0.f);
+      y[r * ldy + c] = residual ? with_bias + residual[r * ldy + c] : with_bias;
+    }
 }
 
 #endif
 
 template <typename W>
-using SlabPass = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*, PrefetchStream);
+using SlabPass = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*, const float*,
+                          PrefetchStream);
 
 // slab_pass<1, W> .. slab_pass<kMaxRowsPerPass, W>, indexed by rows - 1.
 template <typename W, size_t... R>
@@ -212,7 +228,7 @@ void linear_slabs_of(const LinearArgs& a, const W* packed, int64_t slab_begin, i
       const int64_t rows = (a.m - row) / (passes - p);
       const PrefetchStream pf = slab_stream(w, slab_bytes, s == slab_begin, s + 1 < slab_end, passes, p, a.k);
       kPass[rows - 1](a.x + row * a.k, a.k, w, a.y + row * a.n + col0, a.n, ncols, a.bias ? a.bias + col0 : nullptr,
-                  pf);
+                      a.residual ? a.residual + row * a.n + col0 : nullptr, pf);
       row += rows;
     }
   }
@@ -242,7 +258,7 @@ template <int R>
 __attribute__((target("avx512bf16"))) void slab_pass_bf16_pairs(const uint32_t* x, int64_t pairs,
                                                                    const uint16_t* w, float* y, int64_t ldy,
                                                                    int64_t ncols, const float* bias,
-                                                                   PrefetchStream pf) {
+                                                                   const float* residual, PrefetchStream pf) {
   constexpr int V = kSlabColumns / 16;
   prefetch_outputs<R>(y, ldy, ncols);
   __m512 acc[R][V];
@@ -257,11 +273,11 @@ __attribute__((target("avx512bf16"))) void slab_pass_bf16_pairs(const uint32_t* 
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)wv[v]);
     }
   }
-  store_slab_rows<R>(acc, y, ldy, ncols, bias);
+  store_slab_rows<R>(acc, y, ldy, ncols, bias, residual);
 }
 
 using PairPass = void (*)(const uint32_t*, int64_t, const uint16_t*, float*, int64_t, int64_t, const float*,
-                          PrefetchStream);
+                          const float*, PrefetchStream);
 
 template <size_t... R>
 constexpr std::array<PairPass, sizeof...(R)> pair_pass_table(std::index_sequence<R...>) {
@@ -283,7 +299,7 @@ void linear_slabs_bf16_pairs(const LinearArgs& a, int64_t slab_begin, int64_t sl
       const int64_t rows = (a.m - row) / (passes - p);
       const PrefetchStream pf = slab_stream(w, slab_elements * 2, s == slab_begin, s + 1 < slab_end, passes, p, pairs);
       kPass[rows - 1](a.x_pairs + row * pairs, pairs, w, a.y + row * a.n + col0, a.n, ncols,
-                      a.bias ? a.bias + col0 : nullptr, pf);
+                      a.bias ? a.bias + col0 : nullptr, a.residual ? a.residual + row * a.n + col0 : nullptr, pf);
       row += rows;
     }
   }

@@ -83,6 +83,8 @@ struct LinearArgs {
   // bf16 dot products: x rounded to bf16, [m][ceil(k / 2)] pairs; packed is then pair-interleaved bf16
   // [ceil(n / 48)][ceil(k / 2)][48][2] (linear_slabs_bf16_pairs).
   const uint32_t* x_pairs = nullptr;
+  // [m, n] contiguous, added to each output after its bias (a decoder layer's residual), or null.
+  const float* residual = nullptr;
 };
 
 // An item's place in the run of consecutive items one thread takes (dispatch.h's parallel_items).

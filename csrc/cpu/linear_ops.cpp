@@ -79,8 +79,10 @@ void pack_linear_weight(at::Tensor& packed, const at::Tensor& weight) {
   if (weight_dtype != DType::kFloat) packed.copy_(staging);
 }
 
-void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
-                   const std::optional<at::Tensor>& bias) {
+namespace {
+
+void packed_linear_impl(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
+                        const std::optional<at::Tensor>& bias, const float* residual) {
   check_float_cpu(input, "input");
   const DType weight_dtype = check_packed(packed);
   check_float_cpu(out, "out");
@@ -115,6 +117,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
   if (m == 0) return;
   LinearArgs a{input.data_ptr<float>(), packed.data_ptr(),
                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k, weight_dtype};
+  a.residual = residual;
   const KernelTable& kernels = active_kernels();
   auto slabs = kernels.linear_slabs;
   at::Tensor x_bf16;  // bf16 dot products: the input rounded once per call, not once per slab
@@ -141,11 +144,27 @@ void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& p
       block.x += row * k;
       if (pairs) block.x_pairs += row * pair_count;
       block.y += row * n;
+      if (block.residual) block.residual += row * n;
       block.m = rows;
       slabs(block, begin, end);
       row += rows;
     }
   });
+}
+
+}  // namespace
+
+void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& bias) {
+  packed_linear_impl(out, input, packed, bias, nullptr);
+}
+
+void packed_linear_add(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
+  check_float_cpu(residual, "residual");
+  TORCH_CHECK_VALUE(residual.sizes() == out.sizes(), "residual must have out's shape ", out.sizes(), ", got ",
+                    residual.sizes());
+  packed_linear_impl(out, input, packed, bias, residual.data_ptr<float>());
 }
 
 }  // namespace cpu
