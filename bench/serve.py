@@ -293,13 +293,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _descendants(pid: int) -> list[int]:
+    """Children, grandchildren and so on: vLLM's model runs in a worker process that its engine core spawned."""
+    kids = _children(pid)
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
 def server_cpu(server: Server) -> dict:
-    """CPU seconds so far of the server's process and of its child processes (kvpage's engine core, vLLM's
-    engine core): where a run's time goes between HTTP and the engine. Linux only (empty elsewhere)."""
+    """CPU seconds so far of the server's process and of every process below it (kvpage's engine core; vLLM's
+    engine core and the worker it spawned, which runs the model): where a run's time goes between HTTP and the
+    engine. Linux only (empty elsewhere)."""
     if not os.path.isdir("/proc"):
         return {}
     pid = server.process.pid
-    return {"server_process": _cpu_seconds(pid), "child_processes": sum(_cpu_seconds(k) for k in _children(pid))}
+    return {"server_process": _cpu_seconds(pid), "child_processes": sum(_cpu_seconds(k) for k in _descendants(pid))}
 
 
 def _timed(server: Server, prompts: list, output_len: int, rate: float | None = None) -> dict:
