@@ -6,6 +6,7 @@ small thread pool, never on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
@@ -66,7 +67,8 @@ class _EventStream(StreamingResponse):
         except asyncio.CancelledError:
             if not gone:
                 raise  # cancelled from outside (the server is stopping)
-            streaming.uncancel()  # the client went away: the response ends here, as StreamingResponse's does
+            if sys.version_info >= (3, 11):  # Task.uncancel is 3.11's (pyproject allows 3.10, which counts no cancels)
+                streaming.uncancel()  # the client went away: the response ends here, as StreamingResponse's does
         finally:
             watcher.cancel()
             self.answer.sub.abort()
