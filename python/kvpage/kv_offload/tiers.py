@@ -187,12 +187,7 @@ class _Tier:
     def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
         """get() of each (hash, key) in order, up to and including the first miss (None): a hit needs every
         block before it, so nothing past a miss is read."""
-        out = []
-        for block_hash, key in requests:
-            out.append(self.get(block_hash, key))
-            if out[-1] is None:
-                break
-        return out
+        return _until_miss(requests, self.get)
 
     def _count_read(self, payload) -> None:
         self.stats.read_blocks += 1
@@ -326,12 +321,7 @@ class DiskTier(_Tier):
         per block, about half of what reading them cost. The payloads are views of that buffer."""
         sizes = [self._index.size(block_hash) for block_hash, _ in requests]
         arena = _Arena(sum(size or 0 for size in sizes))
-        out = []
-        for block_hash, key in requests:
-            out.append(self._get_file(block_hash, key, arena))
-            if out[-1] is None:
-                break
-        return out
+        return _until_miss(requests, lambda block_hash, key: self._get_file(block_hash, key, arena))
 
     def _get_file(self, block_hash: bytes, key: BlockKey, arena: "_Arena | None") -> memoryview | None:
         if not self.contains(block_hash):
@@ -453,6 +443,16 @@ class DiskTier(_Tier):
             self._warned_write = True
             logger.warning("kvpage: KV offload disk tier: writing a block under %s failed (%s); blocks that cannot be"
                            " written are not offloaded (they are recomputed when needed)", self.directory, error)
+
+
+def _until_miss(requests: list[tuple[bytes, BlockKey]], get) -> list:
+    """get(hash, key) of each request in order, up to and including the first None."""
+    out = []
+    for block_hash, key in requests:
+        out.append(get(block_hash, key))
+        if out[-1] is None:
+            break
+    return out
 
 
 class _Arena:
