@@ -128,3 +128,14 @@ def random_prompt(tokenizer, length: int, seed: int) -> list[int]:
         if t not in special:
             ids.append(t)
     return ids
+
+
+def hf_continuous_batching_config(prompt_lens, output_lens):
+    """transformers' ContinuousBatchingConfig with a KV cache sized for the workload (every request's prompt and
+    output, a spare page each), as kvpage's is: left to itself HF's manager takes 80-90% of the free memory, which
+    on a CPU run beside other work gets it OOM-killed."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    page_size = ContinuousBatchingConfig().page_size
+    num_blocks = sum(-(-(p + n) // page_size) + 1 for p, n in zip(prompt_lens, output_lens))
+    return ContinuousBatchingConfig(num_blocks=num_blocks)

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (QUICK_ENGINE_ARGS, RESULTS_DIR, add_model_argument, machine_info, model_dir,  # noqa: E402
-                    print_table, wait_until_idle, write_json)
+from common import (QUICK_ENGINE_ARGS, RESULTS_DIR, add_model_argument, hf_continuous_batching_config,  # noqa: E402
+                    machine_info, model_dir, print_table, wait_until_idle, write_json)
 from peers.vllm_launcher import VllmPeer  # noqa: E402
 
 import kvpage  # noqa: E402
@@ -119,7 +119,8 @@ def run_hf_static(model, tokenizer, workload) -> dict:
 
 def run_hf_generate_batch(model, tokenizer, workload) -> dict:
     """transformers' continuous batching (its default paged attention), one request per prompt with its
-    own max_new_tokens, through the manager that generate_batch itself drives."""
+    own max_new_tokens, through the manager that generate_batch itself drives; its KV cache sized for the
+    workload (common.hf_continuous_batching_config)."""
     from transformers import GenerationConfig
 
     # eos_token_id=-1: HF's own "no end of sequence" (None makes it warn, then set -1), so each request runs
@@ -129,7 +130,9 @@ def run_hf_generate_batch(model, tokenizer, workload) -> dict:
     inputs = [tokenizer.encode(p) for p in workload.prompts]
     start = time.perf_counter()
     tokens, first = 0, {}
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    cb_config = hf_continuous_batching_config([len(x) for x in inputs], workload.output_lens)
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                   continuous_batching_config=cb_config) as manager:
         ids = [manager.add_request(x, request_id=f"r{i}", max_new_tokens=n, streaming=True)
                for i, (x, n) in enumerate(zip(inputs, workload.output_lens))]
         done = set()

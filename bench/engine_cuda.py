@@ -215,18 +215,16 @@ def kvpage_batch(llm, prompts: list[list[int]], n: int) -> dict:
 
 def hf_generate_batch(model, prompts: list[list[int]], n: int) -> dict:
     """transformers' continuous batching (generate_batch: in transformers 5.17 and 5.25 alike), its manager
-    kept for the next call; output tokens/s. Its KV cache is sized for the workload, as kvpage's is: left to
-    itself it takes 80-90% of the free memory, which on a CPU run beside other work gets it OOM-killed."""
+    kept for the next call; output tokens/s. Its KV cache is sized for the workload
+    (common.hf_continuous_batching_config)."""
     from transformers import GenerationConfig
-    from transformers.generation import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    page_size = ContinuousBatchingConfig().page_size
-    num_blocks = sum(-(-(len(p) + n) // page_size) for p in prompts) + len(prompts)
+    cb_config = common.hf_continuous_batching_config([len(p) for p in prompts], [n] * len(prompts))
     model.set_attn_implementation("sdpa")
     start = time.perf_counter()
     results = model.generate_batch(prompts, generation_config=config, progress_bar=False, persistent_manager=True,
-                                   continuous_batching_config=ContinuousBatchingConfig(num_blocks=num_blocks))
+                                   continuous_batching_config=cb_config)
     seconds = time.perf_counter() - start
     failed = [r for r in results.values() if r.error is not None]
     tokens = sum(len(r.generated_tokens) for r in results.values())
