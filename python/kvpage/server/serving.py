@@ -10,7 +10,7 @@ import uuid
 from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from kvpage.engine.generation_defaults import fill_defaults
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
@@ -227,6 +227,45 @@ class ChoiceStream:
         tokens, self.tokens_sent = slice(self.tokens_sent, len(c.token_ids)), len(c.token_ids)
         self.finished = c.finished
         return text, tokens, c.finish_reason
+
+
+# A stream's delta function: (prompt index, its RequestOutput, one of its choices, that choice's ChoiceStream) ->
+# the choice's chunk as JSON, or None where it has nothing to send yet.
+ChoiceDelta = Callable[[int, RequestOutput, CompletionOutput, ChoiceStream], "str | None"]
+
+
+async def stream_events(sub: Submitted, head: str, delta: ChoiceDelta, holdback: int,
+                        usage_body=None) -> AsyncIterator[str]:
+    """An endpoint's server-sent events, the events of each wake-up in one piece (one write to the client): a
+    step's chunks (sse_chunk(head, delta(...)) per choice that has something new), and with the last one the
+    usage event (usage_body(the final output of every prompt, in order), where given) and [DONE]. An engine or
+    request error ends the stream with its error event and [DONE]."""
+    choices: dict[tuple[int, int], ChoiceStream] = {}
+    final: dict[int, RequestOutput] = {}
+    events: list[str] = []
+    try:
+        async with aclosing(sub.batches()) as batches:
+            async for batch in batches:
+                for i, out in batch:
+                    for c in out.outputs:
+                        state = choices.get((i, c.index))
+                        if state is None:
+                            state = choices[(i, c.index)] = ChoiceStream(holdback)
+                        if not state.finished:
+                            chunk = delta(i, out, c, state)
+                            if chunk is not None:
+                                events.append(sse_chunk(head, chunk))
+                    if out.finished:
+                        final[i] = out
+                if sub.pending and events:
+                    yield "".join(events)
+                    events = []
+        if usage_body is not None:
+            events.append(sse(usage_body([final[i] for i in sorted(final)])))
+    except (EngineStepError, RequestError) as e:
+        events.append(sse_error(e))
+    events.append(sse("[DONE]"))
+    yield "".join(events)
 
 
 def stream_holdback(params: SamplingParams) -> int:

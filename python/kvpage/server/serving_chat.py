@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import aclosing
 from typing import AsyncIterator
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
 from kvpage.engine.prompt_inputs import chat_template_prompt, normalise_conversations
 
-from .engine_loop import EngineStepError
 from .errors import RequestError
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest, ChatMessage
 from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, chunk_head, json_str, new_id,
-                      sampling_params, sse, sse_chunk, sse_error, stream_holdback, submit, usage)
+                      sampling_params, stream_events, stream_holdback, submit, usage)
 
 
 def _content(message: ChatMessage) -> str | None:
@@ -81,35 +79,13 @@ class ChatAnswer:
                    for c in final.outputs]
         return self._body("chat.completion", choices, usage=usage([final]))
 
-    async def stream(self) -> AsyncIterator[str]:
-        """The events of each wake-up in one piece (one write to the client): a step's chunks, and with the
-        last one the usage and [DONE]."""
-        choices: dict[int, ChoiceStream] = {}
-        final = None
-        head = chunk_head(self._body("chat.completion.chunk", []))
-        events: list[str] = []
-        try:
-            async with aclosing(self.sub.batches()) as batches:
-                async for batch in batches:
-                    for _, out in batch:
-                        for c in out.outputs:
-                            state = choices.get(c.index)
-                            if state is None:
-                                state = choices[c.index] = ChoiceStream(self.holdback)
-                            if not state.finished:
-                                chunk = self._delta(c, state)
-                                if chunk is not None:
-                                    events.append(sse_chunk(head, chunk))
-                        final = out
-                    if self.sub.pending and events:
-                        yield "".join(events)
-                        events = []
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                events.append(sse(self._body("chat.completion.chunk", [], usage=usage([final]))))
-        except (EngineStepError, RequestError) as e:
-            events.append(sse_error(e))
-        events.append(sse("[DONE]"))
-        yield "".join(events)
+    def stream(self) -> AsyncIterator[str]:
+        """The server-sent events (serving.stream_events), each choice's chunks from _delta (one prompt)."""
+        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        return stream_events(self.sub, chunk_head(self._body("chat.completion.chunk", [])),
+                             lambda _, out, c, state: self._delta(c, state), self.holdback,
+                             (lambda final: self._body("chat.completion.chunk", [], usage=usage(final)))
+                             if include_usage else None)
 
     def _delta(self, c: CompletionOutput, state: ChoiceStream) -> str | None:
         """The choice's chunk as JSON, or None where it has nothing to send yet."""

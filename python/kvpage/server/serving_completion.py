@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import aclosing
 from typing import AsyncIterator
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
 
-from .engine_loop import EngineStepError
 from .errors import RequestError
 from .logprobs import completion_logprobs
 from .protocol import CompletionRequest
 from .serving import (ChoiceStream, EnginePrompt, ServingContext, Submitted, chunk_head, json_str, new_id,
-                      sampling_params, sse, sse_chunk, sse_error, stream_holdback, submit, usage)
+                      sampling_params, stream_events, stream_holdback, submit, usage)
 
 
 def completion_prompts(ctx: ServingContext, prompt) -> list[EnginePrompt]:
@@ -90,36 +88,11 @@ class CompletionAnswer:
                                             echo_entries + (c.logprobs or []), c.finish_reason, 0))
         return self._body(choices, usage=usage([final[i] for i in sorted(final)]))
 
-    async def stream(self) -> AsyncIterator[str]:
-        """The events of each wake-up in one piece (one write to the client): a step's chunks, and with the
-        last one the usage and [DONE]."""
-        choices: dict[tuple[int, int], ChoiceStream] = {}
-        final: dict[int, RequestOutput] = {}
-        head = chunk_head(self._body([]))
-        events: list[str] = []
-        try:
-            async with aclosing(self.sub.batches()) as batches:
-                async for batch in batches:
-                    for i, out in batch:
-                        for c in out.outputs:
-                            state = choices.get((i, c.index))
-                            if state is None:
-                                state = choices[(i, c.index)] = ChoiceStream(self.holdback)
-                            if not state.finished:
-                                chunk = self._delta(i, out, c, state)
-                                if chunk is not None:
-                                    events.append(sse_chunk(head, chunk))
-                        if out.finished:
-                            final[i] = out
-                    if self.sub.pending and events:
-                        yield "".join(events)
-                        events = []
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                events.append(sse(self._body([], usage=usage([final[i] for i in sorted(final)]))))
-        except (EngineStepError, RequestError) as e:
-            events.append(sse_error(e))
-        events.append(sse("[DONE]"))
-        yield "".join(events)
+    def stream(self) -> AsyncIterator[str]:
+        """The server-sent events (serving.stream_events), each choice's chunks from _delta."""
+        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        return stream_events(self.sub, chunk_head(self._body([])), self._delta, self.holdback,
+                             (lambda final: self._body([], usage=usage(final))) if include_usage else None)
 
     def _delta(self, i: int, out: RequestOutput, c: CompletionOutput, state: ChoiceStream) -> str | None:
         """The choice's chunk as JSON, or None where it has nothing to send yet."""
