@@ -45,8 +45,10 @@ constexpr int64_t kMaxChunkTiles = 128;  // a chunk's tiles at most (block size 
 struct Scratch {
   float* q;      // [rows, head_size], pre-scaled
   float* qT;     // [head_size, rp]: q transposed for the wide path (attention_wide.h)
-  float* acc;    // [rows, head_size]
+  float* acc;    // [rows, head_size]; the wide path accumulates [head_size, rp] (attention_wide.h)
   float* m;      // [rp] running max
+  float* cmax;   // [rp] the wide path's max over the chunk's scores so far
+  float* alpha;  // [rp] the wide path's rescale of the accumulators at the chunk's values
   float* l;      // [rp] running sum of exp
   float* score;  // [rows, chunk], or [chunk, rp] on the wide path
   float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit and fp8 caches
@@ -63,7 +65,7 @@ int64_t round_up_rows(int64_t rows) { return (rows + kRowLanes - 1) / kRowLanes 
 
 int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
   const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
-  return 3 * rp * d + 2 * rp + rp * c + 2 * c * d + 16;
+  return 3 * rp * d + 4 * rp + rp * c + 2 * c * d + 16;
 }
 
 Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
@@ -74,7 +76,9 @@ Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
   s.acc = s.qT + rp * d;
   s.m = s.acc + rp * d;
   s.l = s.m + rp;
-  s.score = s.l + rp;
+  s.cmax = s.l + rp;
+  s.alpha = s.cmax + rp;
+  s.score = s.alpha + rp;
   s.kbuf = s.score + rp * c;
   s.vbuf = s.kbuf + c * d;
   return s;
@@ -161,6 +165,7 @@ struct RowScores {
   static constexpr bool kChunkValues = false;  // values tile by tile (decode's prefetch stream follows them)
 
   static void start(const RowSet&, int64_t, Scratch&) {}
+  static void finish(const RowSet&, int64_t, Scratch&) {}
 
   template <typename KT>
   static void scores(const RowSet& rs, int64_t d, int64_t chunk, const KT* k, int64_t t0, int64_t nb,
@@ -223,14 +228,20 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
   const int64_t d = kD ? kD : a.head_size, bs = a.block_size, chunk = chunk_tokens(a);
   const int64_t rp = round_up_rows(rs.rows);  // the wide layout's softmax runs over padded rows too
   for (int64_t r = 0; r < rp; ++r) s.m[r] = -INFINITY, s.l[r] = 0.f;
-  std::memset(s.acc, 0, sizeof(float) * rs.rows * d);
+  std::memset(s.acc, 0, sizeof(float) * rp * d);
   Layout::start(rs, d, s);
+  // Prefill tiles on the wide layout issue no prefetches past pf's first lines: with the K/V in L2 / L3
+  // (a long prefill's tiles reread by each of its query tiles), a tile's 64 lines issued at once
+  // stalled on the line fill buffers, ~10% of the time, and spreading them over the kernels' steps
+  // measured 0.85-0.9x of none; the hardware prefetcher follows the kernels' runs through each tile.
+  // Decode's wide GQA groups (one token: rows == group) read their K/V once, from DRAM: they stream.
+  const bool prefetch = !Layout::kChunkValues || rs.rows == rs.group;
   for (int64_t c0 = begin; c0 < end; c0 += chunk) {
     const int64_t n = imin(chunk, end - c0);
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t nb = imin(bs, n - t0), pos0 = c0 + t0;
       const CT* k = tile_for_kernels<CT>(kv, a.key_cache, pos0 / bs, nb, s.kbuf + t0 * d);
-      pf.consumed();
+      if (prefetch) pf.consumed();
       Layout::scores(rs, d, chunk, k, t0, nb, pos0, s);
     }
     Layout::softmax(rs, d, chunk, n, s);
@@ -238,11 +249,12 @@ void attend_d(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, 
     for (int64_t t0 = 0, j = 0; t0 < n; t0 += bs, ++j) {
       const int64_t nb = imin(bs, n - t0);
       v[j] = tile_for_kernels<CT>(kv, a.value_cache, (c0 + t0) / bs, nb, s.vbuf + t0 * d);
-      pf.consumed();
+      if (prefetch) pf.consumed();
       if constexpr (!Layout::kChunkValues) Layout::values(rs, d, chunk, v[j], t0, nb, s);
     }
     if constexpr (Layout::kChunkValues) Layout::chunk_values(rs, d, v, bs, n, s);
   }
+  Layout::finish(rs, d, s);
 }
 
 constexpr int64_t kInPlaceRows = 4;
@@ -251,7 +263,7 @@ template <int kD>
 void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s,
                  TilePrefetcher& pf) {
 #if defined(KVPAGE_WIDE_ATTENTION)
-  if (rs.rows >= kWideRows) return attend_d<kD, WideScores>(kv, rs, begin, end, s, pf);
+  if (takes_wide_path(rs)) return attend_d<kD, WideScores>(kv, rs, begin, end, s, pf);
 #endif
 #if defined(KVPAGE_VEC_AVX2)
   // A few rows (decode's GQA groups) read a 16-bit tile in place, widening each element once as they

@@ -16,6 +16,7 @@
 
 // The microkernels are inlined into attend_d, whose head size is often a constant.
 #define KVPAGE_KERNEL_INLINE inline __attribute__((always_inline))
+#define KVPAGE_KERNEL_LAMBDA __attribute__((always_inline))
 
 #if defined(KVPAGE_VEC_AVX2)
 
@@ -165,6 +166,19 @@ void block_scores(const float* q, int64_t rows, const KT* k, int64_t n, int64_t 
   if (r < rows) scores_rows<Lanes8, 1>(q + r * d, k, n, d, s + r * s_stride, s_stride);
 }
 
+// Walks tokens [0, n) of a run of K/V tiles (tile_tokens rows of d elements each, the last may be
+// short): body(row, t) gets token t's row from element `offset` on.
+template <typename VT, typename Body>
+KVPAGE_KERNEL_INLINE
+void for_each_tile_token(const VT* const* tiles, int64_t tile_tokens, int64_t n, int64_t d, int64_t offset,
+                         const Body& body) {
+  for (int64_t t0 = 0, tile = 0; t0 < n; t0 += tile_tokens, ++tile) {
+    const VT* x = tiles[tile] + offset;
+    const int64_t nb = imin(tile_tokens, n - t0);
+    for (int64_t t = 0; t < nb; ++t) body(x + t * d, t0 + t);
+  }
+}
+
 // acc[r][i..i+N*W) += sum_t p[r][t] v[t][i..i+N*W) for R rows, N vectors of W lanes in registers;
 // p[r][t] sits at p[r * p_stride + t * t_stride] (scores by row, or attention_wide.h's by token).
 // Tokens [0, n) lie in tiles of tile_tokens rows each (the last may be short): the accumulators
@@ -177,19 +191,14 @@ void values_tile(float* acc, int64_t d, const float* p, int64_t p_stride, int64_
   typename L::V a[R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) a[r][j] = L::load(acc + r * d + i + W * j);
-  for (int64_t t0 = 0, tile = 0; t0 < n; t0 += tile_tokens, ++tile) {
-    const VT* v = tiles[tile] + i;
-    const float* pt = p + t0 * t_stride;
-    const int64_t nb = imin(tile_tokens, n - t0);
-    for (int64_t t = 0; t < nb; ++t) {
-      typename L::V w[R];
-      for (int r = 0; r < R; ++r) w[r] = L::set1(pt[r * p_stride + t * t_stride]);
-      for (int j = 0; j < N; ++j) {
-        const typename L::V x = L::widen(v + t * d + W * j);
-        for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
-      }
+  for_each_tile_token(tiles, tile_tokens, n, d, i, [&](const VT* v, int64_t t) KVPAGE_KERNEL_LAMBDA {
+    typename L::V w[R];
+    for (int r = 0; r < R; ++r) w[r] = L::set1(p[r * p_stride + t * t_stride]);
+    for (int j = 0; j < N; ++j) {
+      const typename L::V x = L::widen(v + W * j);
+      for (int r = 0; r < R; ++r) a[r][j] = L::fma(w[r], x, a[r][j]);
     }
-  }
+  });
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) L::store(acc + r * d + i + W * j, a[r][j]);
 }

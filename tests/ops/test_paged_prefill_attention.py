@@ -71,6 +71,20 @@ def test_prefill_after_a_long_cached_prefix(cpu_isa, dtype):
     check_prefill(make_prefill(lens, 16, 8, 2, 64, dtype, num_blocks=32))
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", HEAD_CONFIGS.values(), ids=HEAD_CONFIGS.keys())
+def test_prefill_long_history_tile_edges(cpu_isa, heads, block_size):
+    """A chat turn's prefill over a long cached history: several 128-token chunks and 64-token value
+    runs, with query tiles whose rows fill whole vectors, part of one, or only 8-15 lanes of one (a
+    prompt's last tile, which the wide kernels take from half a vector on), contexts at and beside block
+    boundaries; then a window, a softcap and sinks on the same shapes."""
+    lens = [(1300, 130), (64 * block_size, 37), (255, 12), (40 * block_size - 1, 1)]
+    args = make_prefill(lens, block_size, *heads, 64, torch.float32, num_blocks=48)
+    check_prefill(args)
+    sinks = torch.randn(heads[0], generator=generator(1)) * 2
+    check_prefill(args, sliding_window=200, softcap=3.0, sinks=sinks)
+
+
 def test_prefill_with_no_query_tokens():
     args = make_prefill([(0, 0), (5, 0)], 16, 4, 4, 64, torch.float32)
     assert args[0].shape[0] == 0
