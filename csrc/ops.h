@@ -97,6 +97,22 @@ KVPAGE_DECLARE_CPU_LAYER_OPS
 // the CPU has it and the kernels' ISA is not "generic", a portable table loop otherwise; same values.
 uint32_t crc32c(const void* data, size_t num_bytes, uint32_t crc);
 bool crc32c_uses_hardware();
+// The disk KV tier's reads (cpu/kv_blocks.cpp): file i read whole into dsts[i] where its size fits capacities[i]
+// (else only its size is reported), with the CRC-32C of its bytes from crc_starts[i] on (where it reaches that far);
+// error: the open/read errno, 0 if none. The files are read in parallel on the op threads.
+struct KVFileRead {
+  int error;
+  int64_t size;
+  uint32_t crc;
+};
+void read_kv_files(const char* const* paths, uint8_t* const* dsts, const int64_t* capacities,
+                   const int64_t* crc_starts, int64_t num_files, KVFileRead* out);
+// The KV offload tier's block moves (cpu/kv_blocks.cpp): payloads[i] is block block_ids[i]'s row of every cache in
+// turn (row_bytes[t] bytes of cache t, whose block b starts at caches[t] + b * row_bytes[t]); to_cache copies the
+// payloads into the caches (non-temporal stores), else the caches' rows into the payloads. The caller checks the
+// arguments.
+void copy_kv_blocks(uint8_t* const* payloads, const int64_t* block_ids, int64_t num_blocks, uint8_t* const* caches,
+                    const int64_t* row_bytes, int64_t num_caches, bool to_cache);
 }  // namespace cpu
 #ifdef KVPAGE_WITH_CUDA
 namespace cuda {

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import pytest
 
 from kvpage.core import Sequence
@@ -105,9 +106,12 @@ def _file(tier, h):
     return tier._path(h)
 
 
+@pytest.mark.parametrize("read", ["get", "get_many"])
 @pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "pad", "empty", "foreign",
                                     "older_format"])
-def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage):
+def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage, read):
+    """Through get and through get_many (kvpage._C.read_kv_files' reads and checksums; a file longer than
+    indexed is read on its own)."""
     items = entries(2)
     tier = disk(tmp_path)
     store(tier, items)
@@ -131,9 +135,10 @@ def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage):
         store(other, [items[1]])
         data = _file(other, h).read_bytes()
     path.write_bytes(bytes(data))
+    get = tier.get if read == "get" else lambda h, k: tier.get_many([(h, k)])[0]
     with caplog.at_level(logging.WARNING, logger="kvpage"):
-        assert tier.get(h, k) is None
-        assert tier.get(h, k) is None  # asked again: no second warning, the file is gone
+        assert get(h, k) is None
+        assert get(h, k) is None  # asked again: no second warning, the file is gone
     warnings = [r for r in caplog.records if "skipping" in r.getMessage()]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
     assert not path.exists() and tier.stats.rejected_blocks == 1
@@ -259,3 +264,40 @@ def test_get_many_reads_up_to_the_first_miss(tmp_path, caplog, kind):
     store(other, items[4:])
     assert not tier._index.size(items[4][0])
     assert tier.get_many(requests[2:]) == [p for _, _, p in items[2:]]
+
+
+def _address(payload) -> int:
+    return np.frombuffer(payload, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def test_get_many_payloads_outlive_later_loads(tmp_path):
+    """get_many's payloads are views of a read buffer the tier reuses: never while one of its payloads is
+    held (they keep their exact bytes through later loads), and once none is (the next load reads into it)."""
+    items = entries(6)
+    tier = disk(tmp_path)
+    store(tier, items)
+    requests = [(h, k) for h, k, _ in items]
+    held = tier.get_many(requests[:3])
+    for _ in range(3):
+        later = tier.get_many(requests[:3])
+        assert [bytes(p) for p in later] == [p for _, _, p in items[:3]]
+        assert _address(later[0]) != _address(held[0])
+        assert tier.get_many(requests[3:]) == [p for _, _, p in items[3:]]
+    assert [bytes(p) for p in held] == [p for _, _, p in items[:3]]
+    address = _address(held[0])
+    del held, later
+    assert _address(tier.get_many(requests[:3])[0]) == address
+
+
+def test_get_many_reads_a_file_that_grew_on_its_own(tmp_path, caplog):
+    """A file longer than when indexed (another process replaced it) does not fit the batch's buffer: it is
+    read alone, and a whole block in it still loads."""
+    items = entries(3)
+    tier = disk(tmp_path)
+    store(tier, items)
+    h, k, p = items[1]
+    tier._index.add(h, 10)  # as if indexed from a shorter file
+    requests = [(h, k) for h, k, _ in items]
+    with caplog.at_level(logging.WARNING, logger="kvpage"):
+        assert tier.get_many(requests) == [p for _, _, p in items]
+    assert not [r for r in caplog.records if "skipping" in r.getMessage()]

@@ -1,5 +1,5 @@
 """KV-cache tiers behind the device pool's prefix cache: host memory and disk. Pure Python, no torch (the disk
-tier's checksum is the compiled extension's kvpage._C.crc32c).
+tier's batch reads and checksums are the compiled extension's kvpage._C.read_kv_files and crc32c).
 
 A tier maps a block's chain hash (hashing.hash_block: the block's tokens, extra keys and every block
 before it) to the block's K/V bytes ("payload": every layer's K and V of that block, laid out by the
@@ -19,10 +19,12 @@ removed, never loaded.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -51,17 +53,27 @@ WRITE_QUEUE_BLOCKS = 256
 
 
 @cache
-def _crc32c():
+def _extension():
+    """kvpage._C (its crc32c and read_kv_files), imported on first use."""
     import torch  # noqa: F401  (the extension needs libtorch loaded)
     from kvpage import _C
-    return _C.crc32c
+    return _C
 
 
 def _checksum(payload) -> bytes:
     # CRC-32C (in a 16-byte field): it catches flipped bits and torn writes, and on SSE4.2's crc32 instruction
     # (kvpage._C.crc32c) it costs a load ~6x less than zlib's CRC-32; a cryptographic hash would cost a load
     # more than the prefill it saves. The key, not this, names the block.
-    return _crc32c()(payload).to_bytes(4, "little") + bytes(12)
+    return _checksum_field(_extension().crc32c(payload))
+
+
+def _checksum_field(crc: int) -> bytes:
+    return crc.to_bytes(4, "little") + bytes(12)
+
+
+def _payload_start(key: BlockKey) -> int:
+    """Where the payload starts in the file of the block keyed `key` (the header's lengths are the key's)."""
+    return len(MAGIC) + _HEADER.size + len(key.token_bytes) + len(_extra_bytes(key))
 
 
 def _extra_bytes(key: BlockKey) -> bytes:
@@ -256,8 +268,10 @@ class DiskTier(_Tier):
         self.fingerprint = fingerprint
         self._fingerprint_bytes = bytes.fromhex(fingerprint)
         self.directory = Path(directory).expanduser() / fingerprint
+        self._directory_str = str(self.directory)
         _check_writable(self.directory, directory)
         self._warned_write = False
+        self._arenas = _Arenas()
         self.closed = False  # after close(): stores are dropped, nothing waits for the writer
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
@@ -267,8 +281,11 @@ class DiskTier(_Tier):
     # -- the index -----------------------------------------------------------------------------
 
     def _path(self, block_hash: bytes) -> Path:
+        return Path(self._file(block_hash))
+
+    def _file(self, block_hash: bytes) -> str:
         name = block_hash.hex()
-        return self.directory / name[:2] / (name + SUFFIX)
+        return f"{self._directory_str}/{name[:2]}/{name}{SUFFIX}"
 
     def _scan(self) -> None:
         """Index the files already there (a restart starts warm), oldest first; remove stale temporaries."""
@@ -313,40 +330,64 @@ class DiskTier(_Tier):
 
     def get(self, block_hash: bytes, key: BlockKey) -> bytes | None:
         """The block's payload, verified against key; None on a miss or a file that fails a check."""
-        return self._get_file(block_hash, key, None)
-
-    def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
-        """As _Tier.get_many, the files read into one buffer: a load of many blocks then faults in a few huge
-        pages (numpy advises them for big arrays) instead of a 4 KiB page at a time of a fresh bytes object
-        per block, about half of what reading them cost. The payloads are views of that buffer."""
-        sizes = [self._index.size(block_hash) for block_hash, _ in requests]
-        arena = _Arena(sum(size or 0 for size in sizes))
-        return _until_miss(requests, lambda block_hash, key: self._get_file(block_hash, key, arena))
-
-    def _get_file(self, block_hash: bytes, key: BlockKey, arena: "_Arena | None") -> memoryview | None:
         if not self.contains(block_hash):
             return None
-        path = self._path(block_hash)
         try:
-            data = _read_file(path, arena)
-        except FileNotFoundError:  # removed by another process (its own LRU)
+            data = _read_file(self._path(block_hash))
+        except OSError as e:
+            return self._check_read(block_hash, key, e.errno or -1, None)
+        return self._check_read(block_hash, key, 0, memoryview(data))
+
+    def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
+        """As _Tier.get_many: the files the index holds up to the first miss read in one kvpage._C call (in
+        parallel on the op threads, each checksummed right after its read, GIL released) into one buffer
+        (_Arenas: memory faulted in by an earlier load, not fresh pages per block), then checked in order.
+        The payloads are views of that buffer."""
+        held = []
+        for block_hash, key in requests:
+            if not self.contains(block_hash):
+                break
+            held.append((block_hash, key))
+        sizes = [self._index.size(block_hash) or 0 for block_hash, _ in held]
+        arena = self._arenas.take(sum(sizes))
+        views = [arena.take(size) for size in sizes]
+        reads = _extension().read_kv_files([self._file(block_hash) for block_hash, _ in held], views,
+                                           [_payload_start(key) for _, key in held])
+        out = []
+        for (block_hash, key), view, (error, size, crc) in zip(held, views, reads):
+            if error == 0 and size > len(view):  # the file changed size since it was indexed: read it alone
+                out.append(self.get(block_hash, key))
+            else:
+                out.append(self._check_read(block_hash, key, error, view[:size], crc))
+            if out[-1] is None:
+                return out
+        return out + [None] if len(held) < len(requests) else out
+
+    def _check_read(self, block_hash: bytes, key: BlockKey, error: int, data: memoryview | None,
+                    crc: int | None = None) -> memoryview | None:
+        """The payload of a file read (error: its errno, 0 if none; data: its bytes; crc: CRC-32C of them from
+        _payload_start(key) on, where computed with the read) if it passes every check; else None (a file
+        failing one is rejected)."""
+        if error == errno.ENOENT:  # removed by another process (its own LRU)
             self._forget(block_hash, remove_file=False)
             return None
-        except OSError as e:
-            self._reject(block_hash, path, f"unreadable ({e})")
+        if error:
+            self._reject(block_hash, f"unreadable ({os.strerror(error) if error > 0 else 'read failed'})")
             return None
-        problem, payload = self._parse(memoryview(data), block_hash, key)
+        problem, payload = self._parse(data, block_hash, key, crc)
         if problem == "other key":  # a true hash collision: the file is another block's, keep it
             return None
         if problem is not None:
-            self._reject(block_hash, path, problem)
+            self._reject(block_hash, problem)
             return None
         self.touch(block_hash)
         self._count_read(payload)
         return payload
 
-    def _parse(self, data: memoryview, block_hash: bytes, key: BlockKey) -> tuple[str | None, memoryview | None]:
-        """(None, payload: a view of data, not a copy) for a whole, matching file; else (what is wrong, None)."""
+    def _parse(self, data: memoryview, block_hash: bytes, key: BlockKey,
+               crc: int | None = None) -> tuple[str | None, memoryview | None]:
+        """(None, payload: a view of data, not a copy) for a whole, matching file; else (what is wrong, None).
+        crc: the CRC-32C of data from _payload_start(key) on, where the caller computed it with the read."""
         if len(data) < len(MAGIC) + _HEADER.size:
             return "truncated (shorter than its header)", None
         if bytes(data[:len(MAGIC)]) != MAGIC:
@@ -362,16 +403,18 @@ class DiskTier(_Tier):
         tokens = bytes(data[start:start + n_tokens])
         extra = bytes(data[start + n_tokens:start + n_tokens + n_extra])
         payload = data[start + n_tokens + n_extra:]
-        if _checksum(payload) != checksum:
+        computed = _checksum(payload) if crc is None or len(data) - len(payload) != _payload_start(key) else \
+            _checksum_field(crc)
+        if computed != checksum:
             return "corrupt (payload checksum mismatch)", None
         if (parent != key.parent_hash or tokens != key.token_bytes or extra != _extra_bytes(key)
                 or group != _group_bytes(key)):
             return "other key", None
         return None, payload
 
-    def _reject(self, block_hash: bytes, path: Path, problem: str) -> None:
+    def _reject(self, block_hash: bytes, problem: str) -> None:
         logger.warning("kvpage: KV offload disk tier: skipping %s: %s; it is not loaded (the block is recomputed)",
-                       path, problem)
+                       self._file(block_hash), problem)
         self.stats.rejected_blocks += 1
         self._forget(block_hash, remove_file=True)
 
@@ -459,32 +502,64 @@ class _Arena:
     """One uninitialised buffer that reads are placed into, one after another (DiskTier.get_many)."""
 
     def __init__(self, nbytes: int) -> None:
-        self._buffer = memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")
+        self._array = np.empty(nbytes, dtype=np.uint8)
         self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._array)
 
     def take(self, nbytes: int) -> memoryview | None:
         """The next nbytes of the buffer; None once they do not fit."""
-        if self._used + nbytes > len(self._buffer):
+        if self._used + nbytes > len(self._array):
             return None
-        view = self._buffer[self._used:self._used + nbytes]
+        # A numpy slice under the view: whatever view of it is still alive holds a reference to self._array.
+        view = memoryview(self._array[self._used:self._used + nbytes])
         self._used += nbytes
         return view
 
+    def idle(self) -> bool:
+        """No view taken from it is alive (its only references: self._array and getrefcount's argument)."""
+        return sys.getrefcount(self._array) <= 2
 
-def _read_file(path: Path, arena: _Arena | None = None):
-    """The file's bytes (a view of the arena's next bytes where they fit, else a bytes object) in reads of
-    its size (plus one byte, so a file that grew meanwhile reads as longer than its header says; in an arena,
-    as shorter): Path.read_bytes grows its buffer as it reads, several times slower for a block."""
+    def reset(self) -> None:
+        self._used = 0
+
+
+class _Arenas:
+    """The disk tier's read buffers, kept for the next load once none of their payloads is alive: a load's
+    tens of MB then go into pages faulted in before, not fresh pages the kernel must fault in and zero (as
+    much as the read itself). Buffers over KEEP_BYTES are not kept (they are freed with their payloads)."""
+
+    KEEP = 2  # a load in flight while the next sequence's blocks are matched
+    KEEP_BYTES = 256 * 2**20
+
+    def __init__(self) -> None:
+        self._kept: list[_Arena] = []
+
+    def take(self, nbytes: int) -> _Arena:
+        """An idle kept arena of at least nbytes, emptied; else a new one (kept if there is room)."""
+        idle = [a for a in self._kept if a.idle()]
+        fits = [a for a in idle if a.nbytes >= nbytes]
+        if fits:
+            arena = min(fits, key=lambda a: a.nbytes)
+            arena.reset()
+            return arena
+        arena = _Arena(nbytes)
+        if nbytes <= self.KEEP_BYTES:
+            if len(self._kept) >= self.KEEP and idle:
+                self._kept.remove(min(idle, key=lambda a: a.nbytes))  # too small for this load
+            if len(self._kept) < self.KEEP:
+                self._kept.append(arena)
+        return arena
+
+
+def _read_file(path: Path) -> bytes:
+    """The file's bytes, in reads of its size plus one byte (so a file that grew meanwhile reads as longer than
+    its header says): Path.read_bytes grows its buffer as it reads, several times slower for a block."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
-        size = os.fstat(fd).st_size
-        view = arena.take(size) if arena is not None else None
-        if view is not None:
-            got = 0
-            while got < size and (n := os.readv(fd, [view[got:]])):
-                got += n
-            return view[:got]
-        chunks, remaining = [], size + 1
+        chunks, remaining = [], os.fstat(fd).st_size + 1
         while remaining > 0 and (chunk := os.read(fd, remaining)):  # a read may return less: on to the end
             chunks.append(chunk)
             remaining -= len(chunk)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import kvpage
+from kvpage import _C
 from kvpage.engine.executor_base import Executor
 
 from .connector import KVConnectorMeta
@@ -40,8 +41,8 @@ class KVOffloadWorker(Executor):
         self.bytes_per_block = sum(self._nbytes)
         self._device = self._tensors[0].device
         # Behind a CPU pool, the cache tensors' bytes as numpy arrays (num_blocks, bytes of one block), sharing
-        # memory: a block moves as plain memcpys, no torch op (each of which is a parallel region that, on a
-        # loaded machine, waits for every OpenMP thread to be scheduled) and no staging copy.
+        # memory: a batch of blocks moves in one kvpage._C call (plain memcpys, GIL released), no torch op per
+        # tensor and no staging copy.
         self._host_views = None
         if self._device.type == "cpu" and all(t.is_contiguous() for t in self._tensors):
             self._host_views = [t.view(t.shape[0], -1).view(torch.uint8).numpy() for t in self._tensors]
@@ -118,12 +119,9 @@ class KVOffloadWorker(Executor):
         """Each block's payload (every cache tensor's slice of it, in order)."""
         if self._host_views is not None:
             staging = np.empty((len(block_ids), self.bytes_per_block), dtype=np.uint8)
-            for row, block_id in zip(staging, block_ids):
-                offset = 0
-                for view, nbytes in zip(self._host_views, self._nbytes):
-                    row[offset:offset + nbytes] = view[block_id]
-                    offset += nbytes
-            return [row.data for row in staging]
+            rows = list(staging)
+            _C.read_kv_blocks(rows, block_ids, self._host_views)
+            return [row.data for row in rows]
         ids = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         parts = [t.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8) for t in self._tensors]
         staging = torch.cat(parts, dim=1).cpu().numpy()
@@ -136,12 +134,8 @@ class KVOffloadWorker(Executor):
                 raise ValueError(f"a KV block payload of {len(payload)} bytes; this cache's blocks take"
                                  f" {self.bytes_per_block}")
         if self._host_views is not None:
-            for block_id, payload in zip(block_ids, payloads):
-                row = np.frombuffer(payload, dtype=np.uint8)
-                offset = 0
-                for view, nbytes in zip(self._host_views, self._nbytes):
-                    view[block_id] = row[offset:offset + nbytes]
-                    offset += nbytes
+            # One call for the whole batch, not a Python slice assignment per (block, cache tensor).
+            _C.write_kv_blocks(payloads, block_ids, self._host_views)
             return
         n = len(block_ids)
         # One host copy (the join), one copy into the cache per tensor (strided rows: no gather first).

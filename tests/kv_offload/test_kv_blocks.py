@@ -1,0 +1,142 @@
+"""The KV offload tier's batch ops in kvpage._C, on every CPU kernel ISA this machine has and on one and two op
+threads: write_kv_blocks / read_kv_blocks (a batch of block payloads into and out of per-tensor caches) against
+numpy slice assignments of the same bytes, and read_kv_files (a load's files read and checksummed) against the
+files' bytes and crc32c; bad arguments are named."""
+import errno
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvpage import _C, ops
+
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(params=[(isa, threads) for isa in ops.available_cpu_isas() for threads in (1, 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}threads")
+def cpu_isa(request):
+    isa, threads = request.param
+    previous_isa, previous_threads = ops.cpu_isa(), torch.get_num_threads()
+    ops.set_cpu_isa(isa)
+    torch.set_num_threads(threads)
+    try:
+        yield isa
+    finally:
+        ops.set_cpu_isa(previous_isa)
+        torch.set_num_threads(previous_threads)
+
+
+def caches(seed=0):
+    """Per-tensor caches as the worker sees them (numpy byte rows of torch tensors, one row per block): K and V of
+    three layers of different widths, float32 and bfloat16, random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    for heads, dtype in ((2, torch.float32), (1, torch.bfloat16), (3, torch.float32)):
+        for _ in ("k", "v"):
+            tensors.append(torch.randn(NUM_BLOCKS, heads, 4, 8, generator=g).to(dtype))
+    return tensors, [t.view(NUM_BLOCKS, -1).view(torch.uint8).numpy() for t in tensors]
+
+
+def payloads(views, n, seed=0):
+    """n random payloads, as views of one buffer (as a load's are), with the offset of a block's tensor rows."""
+    total = sum(v.shape[1] for v in views)
+    rng = np.random.default_rng(seed)
+    arena = rng.integers(0, 256, size=n * total + 5, dtype=np.uint8)
+    return [memoryview(arena[5 + i * total:5 + (i + 1) * total]) for i in range(n)]
+
+
+def write_by_slices(views, block_ids, rows):
+    """The reference: every (block, tensor) row by a numpy slice assignment."""
+    for block_id, payload in zip(block_ids, rows):
+        row, offset = np.frombuffer(payload, dtype=np.uint8), 0
+        for view in views:
+            view[block_id] = row[offset:offset + view.shape[1]]
+            offset += view.shape[1]
+
+
+def test_write_kv_blocks_matches_slice_assignments(cpu_isa):
+    tensors, views = caches()
+    expected_tensors, expected = caches()
+    block_ids = [7, 0, 11, 3, 5]
+    rows = payloads(views, len(block_ids))
+    _C.write_kv_blocks(rows, block_ids, views)
+    write_by_slices(expected, block_ids, rows)
+    for t, want in zip(tensors, expected_tensors):  # written blocks the payloads' bytes, the others untouched
+        assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_read_kv_blocks_is_each_blocks_rows_in_order(cpu_isa):
+    tensors, views = caches(seed=1)
+    block_ids = [4, 4, 9, 0, 2, 10, 1]
+    out = [memoryview(bytearray(sum(v.shape[1] for v in views))) for _ in block_ids]
+    _C.read_kv_blocks(out, block_ids, views)
+    for block_id, row in zip(block_ids, out):
+        assert bytes(row) == b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    # And back: written into other blocks, then read again, the same bytes.
+    _C.write_kv_blocks(out[:3], [1, 2, 3], views)
+    again = [bytearray(len(out[0])) for _ in range(3)]
+    _C.read_kv_blocks(again, [1, 2, 3], views)
+    assert [bytes(a) for a in again] == [bytes(r) for r in out[:3]]
+
+
+def test_kv_blocks_bad_arguments_are_named():
+    _, views = caches()
+    total = sum(v.shape[1] for v in views)
+    good = bytes(total)
+    with pytest.raises(ValueError, match="same length"):
+        _C.write_kv_blocks([good], [1, 2], views)
+    with pytest.raises(ValueError, match=rf"payloads\[1\] has {total - 1} bytes.*takes {total}"):
+        _C.write_kv_blocks([good, good[:-1]], [1, 2], views)
+    with pytest.raises(ValueError, match=rf"block_ids\[0\] = {NUM_BLOCKS} is outside caches\[0\]"):
+        _C.write_kv_blocks([good], [NUM_BLOCKS], views)
+    with pytest.raises(ValueError, match=r"block_ids\[0\] = -1"):
+        _C.read_kv_blocks([bytearray(total)], [-1], views)
+    with pytest.raises(TypeError, match=r"caches\[2\] must be a writable"):
+        _C.write_kv_blocks([good], [1], views[:2] + [bytes(views[2].nbytes)] + views[3:])
+    with pytest.raises(TypeError, match=r"payloads\[0\] must be a writable"):
+        _C.read_kv_blocks([good], [1], views)
+    with pytest.raises(ValueError, match="at least one cache"):
+        _C.write_kv_blocks([], [], [])
+
+
+def test_read_kv_files_bytes_and_checksums(cpu_isa, tmp_path):
+    rng = random.Random(48)
+    sizes = [0, 1, 100, 6143, 6144, 70_001, 300_000]
+    paths, contents = [], []
+    for i, size in enumerate(sizes):
+        data = bytes(rng.getrandbits(8) for _ in range(min(size, 4096))) * (size // 4096 + 1)
+        contents.append(data[:size])
+        paths.append(str(tmp_path / f"f{i}"))
+        (tmp_path / f"f{i}").write_bytes(contents[-1])
+    starts = [min(rng.randrange(0, 200), size) for size in sizes]
+    arena = np.zeros(sum(sizes) + 64, dtype=np.uint8)
+    views, offset = [], 3  # unaligned, one after another in one buffer
+    for size in sizes:
+        views.append(memoryview(arena[offset:offset + size]))
+        offset += size
+    reads = _C.read_kv_files(paths, views, starts)
+    for (error, size, crc), data, view, start in zip(reads, contents, views, starts):
+        assert (error, size) == (0, len(data)) and bytes(view) == data
+        assert crc == _C.crc32c(data[start:])
+
+
+def test_read_kv_files_reports_errors_and_files_too_big(tmp_path):
+    (tmp_path / "big").write_bytes(b"x" * 100)
+    (tmp_path / "ok").write_bytes(b"y" * 10)
+    (tmp_path / "dir").mkdir()
+    buffers = [bytearray(50), bytearray(10), bytearray(10), bytearray(10)]
+    paths = [str(tmp_path / name) for name in ("big", "missing", "dir", "ok")]
+    big, missing, directory, ok = _C.read_kv_files(paths, buffers, [0, 0, 0, 20])
+    assert big == (0, 100, 0) and bytes(buffers[0]) == bytes(50)  # too big: its size, nothing read
+    assert missing[0] == errno.ENOENT and directory[0] == errno.EISDIR  # not a regular file: not read
+    assert ok == (0, 10, 0) and bytes(buffers[3]) == b"y" * 10  # crc_start past the end: no checksum
+    with pytest.raises(ValueError, match="same length"):
+        _C.read_kv_files(paths, buffers[:3], [0] * 4)
+    with pytest.raises(TypeError, match=r"buffers\[1\] must be a writable"):
+        _C.read_kv_files(paths[:2], [bytearray(1), b"x"], [0, 0])
+    with pytest.raises(ValueError, match=r"crc_starts\[0\] must be >= 0"):
+        _C.read_kv_files(paths[:1], buffers[:1], [-1])
+    assert os.path.exists(paths[0])
