@@ -50,9 +50,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+# kvpage before common (which imports torch): its GOMP_SPINCOUNT reaches libgomp only if set before torch loads
+# it, and the server's engine core (a process kvpage starts) has it: offline must run with the same OpenMP spin.
+import kvpage  # noqa: E402, I001
 from common import RESULTS_DIR, machine_info, print_table, random_prompt, wait_until_idle, write_json  # noqa: E402
-
-import kvpage  # noqa: E402
+from kvpage.engine.arg_utils import positive_int  # noqa: E402
 from kvpage.engine.workload import percentile  # noqa: E402
 from peers import vllm_launcher  # noqa: E402
 
@@ -151,22 +153,25 @@ SERVER_NAMES = {"process": KVPAGE, "inprocess": "kvpage serve in-process core"}
 
 
 def start_kvpage(model_dir: Path, log_dir: Path, engine_core: str = "process", swap_space_gib: float | None = None,
-                 num_kv_blocks: int | None = None) -> Server:
+                 num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None) -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
     swap = [] if swap_space_gib is None else ["--swap-space-gib", str(swap_space_gib)]
     swap += [] if num_kv_blocks is None else ["--num-kv-blocks", str(num_kv_blocks)]
+    swap += [] if max_num_batched_tokens is None else ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return start_server(SERVER_NAMES[engine_core],
                         lambda port: [sys.executable, "-m", "kvpage", "serve", str(model_dir), "--port", str(port),
                                       "--served-model-name", MODEL_NAME, "--engine-core", engine_core, *swap],
                         env, log_dir)
 
 
-def start_vllm(model_dir: Path, log_dir: Path, kv_cache_gib: float) -> Server:
+def start_vllm(model_dir: Path, log_dir: Path, kv_cache_gib: float,
+               max_num_batched_tokens: int | None = None) -> Server:
     """`vllm serve` with bench/engine.py's VllmPeer settings (kvpage.LLM's defaults, float32)."""
     import torch
 
     env = vllm_launcher.vllm_env(kv_cache_gib, torch.get_num_threads())
-    return start_server("vllm serve", lambda port: vllm_launcher.serve_argv(str(model_dir), port, MODEL_NAME),
+    budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    return start_server("vllm serve", lambda port: vllm_launcher.serve_argv(str(model_dir), port, MODEL_NAME, **budget),
                         env, log_dir)
 
 
@@ -332,22 +337,26 @@ def _kv_blocks(model_dir: Path, gib: float) -> int:
 
 def run_rounds(model_dir: Path, requests, output_len: int, rounds: int, with_vllm: bool, levels: list[int],
                rate: float | None = None, engine_cores: tuple[str, ...] = ("process",),
-               swap_space_gib: float | None = None, kv_cache_gib: float | None = None) -> dict:
+               swap_space_gib: float | None = None, kv_cache_gib: float | None = None,
+               max_num_batched_tokens: int | None = None) -> dict:
     """Offline and the saturated servers in turns, then the servers at half the slower one's request rate.
     swap_space_gib: kvpage's host pool for swap preemption, offline and served alike (None: the default);
-    kv_cache_gib: every side's KV-cache budget (None: kvpage's CPU default)."""
+    kv_cache_gib: every side's KV-cache budget (None: kvpage's CPU default); max_num_batched_tokens: every
+    side's step budget (None: each one's default: LLM 2048, kvpage serve 768, vllm serve 2048 as VllmPeer)."""
     from kvpage.engine.llm import CPU_KV_CACHE_GIB
     kv_cache_gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
     num_kv_blocks = _kv_blocks(model_dir, kv_cache_gib)
-    llm = kvpage.LLM(model=str(model_dir), swap_space_gib=swap_space_gib, num_kv_blocks=num_kv_blocks)
+    budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    llm = kvpage.LLM(model=str(model_dir), swap_space_gib=swap_space_gib, num_kv_blocks=num_kv_blocks, **budget)
     servers, skipped, log_dir = [], None, RESULTS_DIR / "serve_logs"  # the servers' logs stay for a post-mortem
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for core in engine_cores:  # one by one: a server that fails to start leaves the others stopped below
-            servers.append(start_kvpage(model_dir, log_dir, core, swap_space_gib, num_kv_blocks))
+            servers.append(start_kvpage(model_dir, log_dir, core, swap_space_gib, num_kv_blocks,
+                                        max_num_batched_tokens))
         if with_vllm:
             try:
-                servers.append(start_vllm(model_dir, log_dir, kv_cache_gib))
+                servers.append(start_vllm(model_dir, log_dir, kv_cache_gib, max_num_batched_tokens))
             except (RuntimeError, OSError) as e:  # reported, not fatal: kvpage runs alone
                 skipped = str(e)
                 print(f"vllm serve skipped: {skipped}", flush=True)
@@ -532,6 +541,10 @@ def main() -> dict:
                              " as vLLM v1; saves memory on a crowded machine); default: kvpage's")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="every side's KV-cache budget in GiB (issue 47: 4); default: kvpage's CPU default")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help="every side's step budget (offline, kvpage serve, vllm serve): serve / offline at equal"
+                             " budgets measures the HTTP path alone; default: each one's own (LLM 2048, kvpage serve"
+                             " 768, vllm serve 2048), the issue's comparison of the defaults")
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
     args = parser.parse_args()
@@ -554,13 +567,14 @@ def main() -> dict:
         levels = [int(n) for n in args.saturation.split(",")] if args.saturation else [num]
         res = {"workload": {"num_prompts": levels[0], "saturation_levels": levels, "input_len": input_len,
                             "output_len": output_len, "swap_space_gib": args.swap_space_gib,
-                            "kv_cache_gib": args.kv_cache_gib,
+                            "kv_cache_gib": args.kv_cache_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
                             "engine_cores": args.engine_core,
                             "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct"},
                "machine": machine_info()}
         res.update(run_rounds(model_dir, lambda seed, num: requests_for(tok, num, input_len, seed), output_len,
                               args.rounds or (1 if args.quick else ROUNDS), with_vllm, levels, args.request_rate,
-                              tuple(args.engine_core.split(",")), args.swap_space_gib, args.kv_cache_gib))
+                              tuple(args.engine_core.split(",")), args.swap_space_gib, args.kv_cache_gib,
+                              args.max_num_batched_tokens))
     report(res, "serve_quick" if args.quick else "serve")
     return res
 
