@@ -1,0 +1,85 @@
+"""paged_prefill_attention over a long cached history (a chat turn's prefill, issue 48): CPU time per call.
+
+The shape of a turn-10 SmolLM2 chat prefill: --queries new tokens after --context cached ones, 9 query / 3 KV
+heads x 64, block 16, fp32 (--dtype bfloat16: a 16-bit cache), 1 thread. With --against DIR it compares two
+builds of the extension: DIR holds another kvpage package (a copy of python/kvpage with its own _C .so);
+paired rounds alternate which build runs first, each in its own process, and report the per-round ratios
+(against / this tree) that a loaded machine skews least.
+
+    python bench/prefill_history.py [--context 1300] [--queries 130] [--dtype float32] [--calls 40]
+    python bench/prefill_history.py --against /tmp/old_pkg --rounds 6
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_op(args) -> float:
+    """Median CPU seconds of one call, in this process."""
+    import torch
+    torch.set_num_threads(1)
+    from kvpage import ops
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_size, block_size = 9, 3, 64, 16
+    seq_len = args.context + args.queries
+    num_blocks = -(-seq_len // block_size)
+    dtype = getattr(torch, args.dtype)
+    key_cache, value_cache = (torch.randn(num_blocks + 7, kv_heads, block_size, head_size, generator=gen).to(dtype)
+                              for _ in range(2))
+    tables = torch.randperm(num_blocks + 7, generator=gen)[:num_blocks].to(torch.int32).view(1, -1)
+    query = torch.randn(args.queries, heads, head_size, generator=gen)
+    starts = torch.tensor([0, args.queries], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    out = torch.empty_like(query)
+    for _ in range(3):
+        ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, seq_lens, out=out)
+    times = []
+    for _ in range(args.calls):
+        start = time.process_time()
+        ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, seq_lens, out=out)
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def run_in(package_parent: str, argv) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": package_parent}
+    cmd = [sys.executable, __file__, "--child", *argv]
+    return float(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.split()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=1300)
+    parser.add_argument("--queries", type=int, default=130)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--against", default=None, help="directory holding another build's kvpage package")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child or args.against is None:
+        seconds = time_op(args)
+        print(f"{seconds * 1e3:.3f} ms" if not args.child else seconds)
+        return
+    child_argv = [f"--context={args.context}", f"--queries={args.queries}", f"--dtype={args.dtype}",
+                  f"--calls={args.calls}"]
+    builds = {"this tree": str(ROOT / "python"), "against": args.against}
+    ratios = []
+    for r in range(args.rounds):
+        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
+        ms = {name: run_in(builds[name], child_argv) * 1e3 for name in order}
+        ratios.append(ms["against"] / ms["this tree"])
+        print(f"round {r}: this tree {ms['this tree']:.3f} ms, against {ms['against']:.3f} ms, "
+              f"against / this tree {ratios[-1]:.3f}")
+    print(f"median ratio against / this tree: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
