@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402
+import serve_servers  # noqa: E402
 from common import (QUICK_ENGINE_ARGS, add_model_argument, machine_info, model_dir, print_table,  # noqa: E402
                     random_prompt, write_json)
 from peers.llamacpp_launcher import available, llamacpp_dir, model_file, run_batched_bench  # noqa: E402
@@ -150,14 +151,15 @@ def chat_llamacpp(pp: int, tg: int, threads: int, weight_type: str) -> dict:
     return {"output_tok_s": output_tok_s(row), "generation_tok_s": row["speed_tg"], "ttft_s": row["t_pp"]}
 
 
-def start_server(args, log_dir: Path) -> "serve.Server":
+def start_server(args, log_dir: Path) -> "serve_servers.Server":
     flags = ["--weight-dtype", args.weight_dtype, "--matmul-precision", args.matmul_precision]
     if args.quick:
         flags += ["--num-kv-blocks", str(QUICK_ENGINE_ARGS["num_kv_blocks"]), "--swap-space-gib", "0"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(serve.ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-    return serve.start_server("kvpage serve", lambda port: [
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(serve_servers.ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    return serve_servers.start_server("kvpage serve", lambda port: [
         sys.executable, "-m", "kvpage", "serve", str(model_dir(args.model)), "--port", str(port),
-        "--served-model-name", serve.MODEL_NAME, *flags], env, log_dir)
+        "--served-model-name", serve_servers.MODEL_NAME, *flags], env, log_dir)
 
 
 def chat_main(args) -> dict:

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_model_argument, model_dir, write_json  # noqa: E402
 from peers import vllm_launcher  # noqa: E402
-from serve import MODEL_NAME, ROOT, Server, start_server, tiny_model_dir  # noqa: E402
+from serve_servers import MODEL_NAME, ROOT, Server, start_server, tiny_model_dir  # noqa: E402
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an"
          " they you were her she there been one all we their has would when if so no what up said out about more"

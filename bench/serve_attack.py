@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from common import machine_info, print_table, write_json  # noqa: E402
-from serve import MODEL_NAME, ROOT, requests_for, start_server, tiny_model_dir  # noqa: E402
+from serve import requests_for  # noqa: E402
+from serve_servers import MODEL_NAME, ROOT, start_server, tiny_model_dir  # noqa: E402
 
 from kvpage.engine.workload import percentile  # noqa: E402
 

@@ -249,7 +249,7 @@ def main() -> None:
     from kvpage.model.loader import default_model_dir
 
     from common import write_json
-    from serve import tiny_model_dir
+    from serve_servers import tiny_model_dir
 
     if args.quick:
         args.num_prompts, args.input_len, args.output_len, args.rounds = 4, 32, 8, 1

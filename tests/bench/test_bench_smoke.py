@@ -71,7 +71,7 @@ SCRIPTS = {
 }
 # Modules the scripts import, not scripts; and vLLM's side, which runs in vLLM's own venv.
 NOT_SCRIPTS = {"bench/common.py", "bench/mathlab/_common.py", "bench/peers/vllm_peer.py",
-               "bench/peers/vllm_launcher.py", "bench/peers/llamacpp_launcher.py"}
+               "bench/peers/vllm_launcher.py", "bench/peers/llamacpp_launcher.py", "bench/serve_servers.py"}
 
 
 def run_script(argv: list[str], model_dir: Path, out: Path) -> tuple[subprocess.CompletedProcess, float]:
