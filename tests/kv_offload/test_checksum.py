@@ -9,8 +9,8 @@ import pytest
 import torch  # noqa: F401  (kvpage._C needs libtorch loaded)
 
 from kvpage import _C, ops
-from kvpage.kv_offload import tiers
-from kvpage.kv_offload.tiers import DiskTier
+from kvpage.kv_offload import disk_tier
+from kvpage.kv_offload.disk_tier import DiskTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -87,6 +87,6 @@ def test_file_header_holds_the_payloads_crc32c(tmp_path):
     tier = DiskTier(tmp_path, FP, 1 << 20)
     store(tier, [(h, k, p)])
     data = tier._path(h).read_bytes()
-    assert data[:len(tiers.MAGIC)] == tiers.MAGIC
-    checksum = tiers._HEADER.unpack_from(data, len(tiers.MAGIC))[3]
+    assert data[:len(disk_tier.MAGIC)] == disk_tier.MAGIC
+    checksum = disk_tier._HEADER.unpack_from(data, len(disk_tier.MAGIC))[3]
     assert checksum == crc32c_reference(p).to_bytes(4, "little") + bytes(12)

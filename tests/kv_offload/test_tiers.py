@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kvpage.core import Sequence
-from kvpage.kv_offload import tiers
+from kvpage.kv_offload import disk_tier, tiers
 from kvpage.kv_offload.connector import block_hash, block_key
-from kvpage.kv_offload.tiers import DiskTier, HostMemoryTier
+from kvpage.kv_offload.disk_tier import DiskTier
+from kvpage.kv_offload.tiers import HostMemoryTier
 
 FP = "0123456789abcdef" * 2
 OTHER_FP = "fedcba9876543210" * 2
@@ -129,7 +130,7 @@ def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage, read
     elif damage == "empty":
         data = b""
     elif damage == "older_format":  # format version 1 (zlib's CRC-32), as an earlier kvpage wrote it
-        data[len(tiers.MAGIC) - 1] = 1
+        data[len(disk_tier.MAGIC) - 1] = 1
     else:  # a file another model's tier wrote, under this model's name
         other = DiskTier(tmp_path, OTHER_FP, 1 << 20)
         store(other, [items[1]])
@@ -153,7 +154,7 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
 
 
 def test_disk_full_warns_once_and_stores_nothing(tmp_path, monkeypatch, caplog):
-    real = tiers._write_file
+    real = disk_tier._write_file
 
     def full_disk(path, chunks):
         with open(path, "wb") as f:  # half a block reaches the disk, then the write fails
@@ -161,7 +162,7 @@ def test_disk_full_warns_once_and_stores_nothing(tmp_path, monkeypatch, caplog):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     tier = disk(tmp_path)
-    monkeypatch.setattr(tiers, "_write_file", full_disk)
+    monkeypatch.setattr(disk_tier, "_write_file", full_disk)
     items = entries(3)
     with caplog.at_level(logging.WARNING, logger="kvpage"):
         store(tier, items)
@@ -170,7 +171,7 @@ def test_disk_full_warns_once_and_stores_nothing(tmp_path, monkeypatch, caplog):
     assert len(tier) == 0 and tier.stats.dropped_blocks == 3
     assert not list((tmp_path / FP).rglob("*.tmp")) and not list((tmp_path / FP).rglob("*.kvb"))
     assert all(tier.get(h, k) is None for h, k, _ in items)
-    monkeypatch.setattr(tiers, "_write_file", real)  # space again: stores work
+    monkeypatch.setattr(disk_tier, "_write_file", real)  # space again: stores work
     store(tier, items)
     assert all(tier.get(h, k) == p for h, k, p in items)
 
@@ -180,16 +181,16 @@ def test_a_stalled_disk_never_blocks_a_store(tmp_path, monkeypatch):
     queue's bound blocks are dropped (counted), never waited for; once the disk moves, the queued ones land."""
     import threading
 
-    real, writing, stalled = tiers._write_file, threading.Event(), threading.Event()
+    real, writing, stalled = disk_tier._write_file, threading.Event(), threading.Event()
 
     def stalled_disk(path, chunks):
         writing.set()
         stalled.wait()
         real(path, chunks)
 
-    monkeypatch.setattr(tiers, "WRITE_QUEUE_BLOCKS", 2)
+    monkeypatch.setattr(disk_tier, "WRITE_QUEUE_BLOCKS", 2)
     tier = disk(tmp_path)
-    monkeypatch.setattr(tiers, "_write_file", stalled_disk)
+    monkeypatch.setattr(disk_tier, "_write_file", stalled_disk)
     items = entries(6)
     try:
         tier.put(*items[0])
@@ -217,7 +218,7 @@ def test_crash_before_rename_leaves_nothing_loadable(tmp_path):
     tmp.write_bytes(_file(tier, items[0][0]).read_bytes()[:40])
     fresh = final.parent / (final.name + ".999.2.tmp")
     fresh.write_bytes(b"being written")
-    old = time.time() - 2 * tiers.STALE_TMP_SECONDS
+    old = time.time() - 2 * disk_tier.STALE_TMP_SECONDS
     os.utime(tmp, (old, old))
     again = disk(tmp_path)
     assert again.get(h, k) is None and len(again) == 1

@@ -1,7 +1,7 @@
 """KV offload tiers (issue 48): a second tier behind the pool's prefix cache, through a connector seam.
 
-connector.py: the seam (scheduler side, pure Python) and OffloadingConnector; tiers.py: the host-memory
-and disk tiers (pure Python); worker.py: the worker side (torch) and the model fingerprint; tp.py: the same
+connector.py: the seam (scheduler side, pure Python) and OffloadingConnector; tiers.py: what every tier
+shares and the host-memory tier; disk_tier.py: the disk tier (pure Python); worker.py: the worker side (torch) and the model fingerprint; tp.py: the same
 under tensor parallelism (each rank its own shard of the blocks, in its own tier).
 attach_offloading wires one engine's block manager, scheduler and runner to a tier.
 """
@@ -14,7 +14,8 @@ import weakref
 from kvpage.core.preemption_cost import MeasuredCostModel
 
 from .connector import KVConnectorBase, KVConnectorMeta, OffloadingConnector
-from .tiers import DiskTier, HostMemoryTier
+from .disk_tier import DiskTier
+from .tiers import HostMemoryTier
 
 __all__ = ["DEFAULT_DISK_TIER_GIB", "DiskTier", "HostMemoryTier", "KVConnectorBase", "KVConnectorMeta",
            "OffloadingConnector", "attach_offloading", "check_offloading_options", "close_offloading",

@@ -68,8 +68,8 @@ class KVConnectorBase:
 
 
 class OffloadingConnector(KVConnectorBase):
-    """A tier (kv_offload.tiers) behind the pool's prefix cache: evicted blocks are stored into it, and
-    a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
+    """A tier (kv_offload.tiers, kv_offload.disk_tier) behind the pool's prefix cache: evicted blocks are stored
+    into it, and a prompt's blocks past the pool's hit are looked up in it, continuing down the hash chain."""
 
     def __init__(self, tier, block_size: int, save_now=None, recompute_seconds=None,
                  sliding_windows: tuple[int | None, ...] = (None,)) -> None:

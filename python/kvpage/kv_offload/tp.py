@@ -21,7 +21,8 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from .tiers import DiskTier, HostMemoryTier
+from .disk_tier import DiskTier
+from .tiers import HostMemoryTier
 from .worker import KVOffloadWorker, model_fingerprint
 
 logger = logging.getLogger("kvpage")
