@@ -8,6 +8,7 @@ paired rounds alternate which build runs first, each in its own process, and rep
 
     python bench/prefill_history.py [--context 1300] [--queries 130] [--dtype float32] [--calls 40]
     python bench/prefill_history.py --against /tmp/old_pkg --rounds 6
+    python bench/prefill_history.py --quick   # a smoke run: tiny shapes, one paired round of this tree against itself
 """
 import argparse
 import os
@@ -62,8 +63,13 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--against", default=None, help="directory holding another build's kvpage package")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: tiny shapes, one paired round of this tree against itself")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.context, args.queries, args.calls, args.rounds = 64, 16, 3, 1
+        args.against = args.against or str(ROOT / "python")
     if args.child or args.against is None:
         seconds = time_op(args)
         print(f"{seconds * 1e3:.3f} ms" if not args.child else seconds)

@@ -59,6 +59,7 @@ SCRIPTS = {
     "linear": (["bench/linear.py", "--quick"], "linear_quick.json"),
     "scheduler_sim": (["bench/scheduler_sim.py", "--quick"], "scheduler_sim_quick.json"),
     "attention_isa": (["bench/attention_isa.py", "--quick"], None),  # says so and exits 0 without AVX-512
+    "prefill_history": (["bench/prefill_history.py", "--quick"], None),
     "block_manager": (["bench/block_manager.py", "--quick"], "block_manager_quick.json"),
     "hybrid_kv": (["bench/hybrid_kv.py", "--quick"], "hybrid_kv_quick.json"),
     "families": (["bench/families.py", "--quick"], "families.json"),
