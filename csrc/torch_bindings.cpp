@@ -74,8 +74,10 @@ class HeldBuffer {
   HeldBuffer(const pybind11::handle& obj, int flags, const std::string& what) {
     if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) {
       PyErr_Clear();
+      const bool c_order = (flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS;
       throw pybind11::type_error(what + " must be a " + ((flags & PyBUF_WRITABLE) ? "writable " : "") +
-                                 "C-contiguous bytes-like object, got " + Py_TYPE(obj.ptr())->tp_name);
+                                 (c_order ? "C-contiguous" : "contiguous") + " bytes-like object, got " +
+                                 Py_TYPE(obj.ptr())->tp_name);
     }
   }
   ~HeldBuffer() { PyBuffer_Release(&view_); }
@@ -184,19 +186,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "crc32c",
       [](const pybind11::object& data, uint32_t crc) {
-        Py_buffer view;
-        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) {
-          PyErr_Clear();
-          throw pybind11::type_error("crc32c: data must be a contiguous bytes-like object, got " +
-                                     std::string(Py_TYPE(data.ptr())->tp_name));
-        }
-        uint32_t out;
-        {
-          pybind11::gil_scoped_release released;
-          out = kvpage::cpu::crc32c(view.buf, static_cast<size_t>(view.len), crc);
-        }
-        PyBuffer_Release(&view);
-        return out;
+        const HeldBuffer held(data, PyBUF_SIMPLE, "crc32c: data");
+        pybind11::gil_scoped_release released;
+        return kvpage::cpu::crc32c(held.data(), static_cast<size_t>(held.view().len), crc);
       },
       pybind11::arg("data"), pybind11::arg("crc") = 0,
       "CRC-32C (Castagnoli) of data, continuing from crc: crc32c(b, crc32c(a)) == crc32c(a + b)");

@@ -1,9 +1,9 @@
-// The KV offload tier's batch work in C++: a load's block files read and checksummed (kv_offload/tiers.py), and
-// whole KV blocks between host payloads and a CPU KV cache (kv_offload/worker.py). A block's payload is its row of every cache tensor, one after another; the tier
-// hands a load's payloads over as separate buffers (views of the files it read and verified), and the cache
-// is one tensor per layer and K/V. One call moves a whole batch with the GIL released, block by block (a
-// payload is read front to back while its lines are fresh), instead of a Python loop of one slice
-// assignment per (block, tensor).
+// The KV offload tier's batch work in C++: a load's block files read and checksummed (kv_offload/disk_tier.py),
+// and whole KV blocks between host payloads and a CPU KV cache (kv_offload/worker.py). A block's payload is its
+// row of every cache tensor, one after another; the tier hands a load's payloads over as separate buffers (views
+// of the files it read and verified), and the cache is one tensor per layer and K/V. One call moves a whole batch
+// with the GIL released, block by block (a payload is read front to back while its lines are fresh), instead of a
+// Python loop of one slice assignment per (block, tensor).
 #include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <sys/stat.h>
