@@ -129,7 +129,12 @@ class _Tier:
     def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
         """get() of each (hash, key) in order, up to and including the first miss (None): a hit needs every
         block before it, so nothing past a miss is read."""
-        return _until_miss(requests, self.get)
+        out = []
+        for block_hash, key in requests:
+            out.append(self.get(block_hash, key))
+            if out[-1] is None:
+                break
+        return out
 
     def _count_read(self, payload) -> None:
         self.stats.read_blocks += 1
@@ -172,13 +177,3 @@ class HostMemoryTier(_Tier):
 
     def close(self) -> None:
         pass
-
-
-def _until_miss(requests: list[tuple[bytes, BlockKey]], get) -> list:
-    """get(hash, key) of each request in order, up to and including the first None."""
-    out = []
-    for block_hash, key in requests:
-        out.append(get(block_hash, key))
-        if out[-1] is None:
-            break
-    return out
