@@ -5,6 +5,8 @@ explores far more examples. Pick "deep" with `--hypothesis-deep` or KVPAGE_HYPOT
 """
 import os
 
+import pytest
+
 # The suite runs with the ops' range-check debug switch on (kvpage.ops.config; off by default), so a
 # bad index anywhere fails loudly. Set before kvpage is imported, and inherited by the worker processes
 # tests start (tensor parallelism, the server); a test of the switch itself turns it off locally.
@@ -32,6 +34,19 @@ def pytest_configure(config):
         os.environ["KVPAGE_HYPOTHESIS_PROFILE"] = profile
     settings.load_profile(profile)
     _range_checks_on()
+    _kvpage_is_this_checkout()
+
+
+def _kvpage_is_this_checkout():
+    """The suite tests the code beside it: a kvpage installed from another checkout would be tested instead in
+    this process, while the tests' subprocesses (PYTHONPATH=python) import this one."""
+    from pathlib import Path
+
+    import kvpage
+    here = Path(__file__).resolve().parents[1] / "python" / "kvpage"
+    if Path(kvpage.__path__[0]).resolve() != here:
+        raise pytest.UsageError(f"kvpage is imported from {kvpage.__path__[0]}, not from this checkout's {here}:"
+                                f" run pip install -e . here (or set PYTHONPATH={here.parent})")
 
 
 def _range_checks_on():

@@ -67,10 +67,22 @@ def test_set_up_block_is_the_ci_command():
 def test_set_up_check_passes_once_installed():
     """The test command's guard (before its ||) succeeds where kvpage and its test extra are installed, as here:
     after the first command it reinstalls nothing."""
-    first_block = code_blocks("bash")[0].splitlines()
-    check = first_block[1].split("||")[0].replace("2>/dev/null", "")
-    run = subprocess.run(["bash", "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", "-c", set_up_check()], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_set_up_check_fails_in_another_checkout(tmp_path):
+    """Run from a checkout that is not the installed one (a CI clone where another checkout's kvpage is
+    installed), the guard fails, so the command installs this checkout instead of testing another's code."""
+    (tmp_path / "python" / "kvpage").mkdir(parents=True)
+    (tmp_path / "python" / "kvpage" / "__init__.py").write_text("")
+    run = subprocess.run(["bash", "-c", set_up_check()], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "AssertionError" in run.stderr, run.stderr[-2000:]
+
+
+def set_up_check() -> str:
+    """The test command's guard, the part before its ||, with its errors shown."""
+    return code_blocks("bash")[0].splitlines()[1].split("||")[0].replace("2>/dev/null", "")
 
 
 def test_curl_body_is_a_valid_request():
