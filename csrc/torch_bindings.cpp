@@ -1,6 +1,5 @@
 // torch.ops.kvpage.*: schemas once, CPU (and CUDA) kernels registered by dispatch key, plus a
 // small pybind11 module for things that are not ops.
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -11,6 +10,7 @@
 
 #include "checks.h"
 #include "cpu/dispatch.h"
+#include "kv_tier_args.h"
 #include "ops.h"
 
 TORCH_LIBRARY(kvpage, m) {
@@ -68,100 +68,26 @@ TORCH_LIBRARY_IMPL(kvpage, CUDA, m) { KVPAGE_REGISTER_BACKEND(cuda) }
 
 namespace {
 
-// [kv tier] A Python object's buffer, held for the length of a call.
-class HeldBuffer {
- public:
-  HeldBuffer(const pybind11::handle& obj, int flags, const std::string& what) {
-    if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) {
-      PyErr_Clear();
-      const bool c_order = (flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS;
-      throw pybind11::type_error(what + " must be a " + ((flags & PyBUF_WRITABLE) ? "writable " : "") +
-                                 (c_order ? "C-contiguous" : "contiguous") + " bytes-like object, got " +
-                                 Py_TYPE(obj.ptr())->tp_name);
-    }
-  }
-  ~HeldBuffer() { PyBuffer_Release(&view_); }
-  HeldBuffer(const HeldBuffer&) = delete;
-  HeldBuffer& operator=(const HeldBuffer&) = delete;
-  const Py_buffer& view() const { return view_; }
-  uint8_t* data() const { return static_cast<uint8_t*>(view_.buf); }
-
- private:
-  Py_buffer view_{};
-};
-
-// [kv tier] kvpage._C.write_kv_blocks / read_kv_blocks: checks every argument, then one copy_kv_blocks call
-// with the GIL released. caches: one C-contiguous buffer per cache tensor, its first dimension the blocks.
+// [kv tier] kvpage._C.write_kv_blocks / read_kv_blocks: every argument checked (kv_tier_args.h), then one
+// copy_kv_blocks call with the GIL released (and taken back before `args` releases the buffers).
 void copy_kv_blocks_py(const pybind11::sequence& payloads, const std::vector<int64_t>& block_ids,
                        const pybind11::sequence& caches, bool to_cache) {
-  if (payloads.size() != block_ids.size()) {
-    throw pybind11::value_error("payloads and block_ids must have the same length, got " +
-                                std::to_string(payloads.size()) + " and " + std::to_string(block_ids.size()));
-  }
-  if (caches.size() == 0) throw pybind11::value_error("caches must hold at least one cache buffer");
-  const int cache_flags = PyBUF_C_CONTIGUOUS | (to_cache ? PyBUF_WRITABLE : 0);
-  std::vector<std::unique_ptr<HeldBuffer>> held;
-  std::vector<uint8_t*> cache_ptrs, payload_ptrs;
-  std::vector<int64_t> row_bytes;
-  int64_t block_bytes = 0;
-  for (size_t t = 0; t < caches.size(); ++t) {
-    const std::string what = "caches[" + std::to_string(t) + "]";
-    held.push_back(std::make_unique<HeldBuffer>(caches[t], cache_flags, what));
-    const Py_buffer& v = held.back()->view();
-    if (v.ndim < 1 || v.shape[0] < 1) throw pybind11::value_error(what + " must have a first dimension of blocks");
-    for (size_t i = 0; i < block_ids.size(); ++i) {
-      if (block_ids[i] < 0 || block_ids[i] >= v.shape[0]) {
-        throw pybind11::value_error("block_ids[" + std::to_string(i) + "] = " + std::to_string(block_ids[i]) +
-                                    " is outside " + what + "'s " + std::to_string(v.shape[0]) + " blocks");
-      }
-    }
-    cache_ptrs.push_back(held.back()->data());
-    row_bytes.push_back(v.len / v.shape[0]);
-    block_bytes += row_bytes.back();
-  }
-  const int payload_flags = PyBUF_SIMPLE | (to_cache ? 0 : PyBUF_WRITABLE);
-  for (size_t i = 0; i < payloads.size(); ++i) {
-    const std::string what = "payloads[" + std::to_string(i) + "]";
-    held.push_back(std::make_unique<HeldBuffer>(payloads[i], payload_flags, what));
-    if (held.back()->view().len != block_bytes) {
-      throw pybind11::value_error(what + " has " + std::to_string(held.back()->view().len) +
-                                  " bytes; a block of these caches takes " + std::to_string(block_bytes));
-    }
-    payload_ptrs.push_back(held.back()->data());
-  }
+  const auto args = kvpage::kv_tier::check_kv_block_copy_args(payloads, block_ids, caches, to_cache);
   pybind11::gil_scoped_release released;
-  kvpage::cpu::copy_kv_blocks(payload_ptrs.data(), block_ids.data(), static_cast<int64_t>(block_ids.size()),
-                              cache_ptrs.data(), row_bytes.data(), static_cast<int64_t>(row_bytes.size()), to_cache);
+  kvpage::cpu::copy_kv_blocks(args.payload_ptrs.data(), block_ids.data(), static_cast<int64_t>(block_ids.size()),
+                              args.cache_ptrs.data(), args.row_bytes.data(),
+                              static_cast<int64_t>(args.row_bytes.size()), to_cache);
 }
 
 // [kv tier] kvpage._C.read_kv_files: (errno, size, crc) of each file read into its buffer, GIL released.
 std::vector<std::tuple<int, int64_t, uint32_t>> read_kv_files_py(const std::vector<std::string>& paths,
                                                                  const pybind11::sequence& buffers,
                                                                  const std::vector<int64_t>& crc_starts) {
-  if (buffers.size() != paths.size() || crc_starts.size() != paths.size()) {
-    throw pybind11::value_error("paths, buffers and crc_starts must have the same length, got " +
-                                std::to_string(paths.size()) + ", " + std::to_string(buffers.size()) + " and " +
-                                std::to_string(crc_starts.size()));
-  }
-  std::vector<std::unique_ptr<HeldBuffer>> held;
-  std::vector<uint8_t*> dsts;
-  std::vector<int64_t> capacities;
-  std::vector<const char*> cpaths;
-  for (size_t i = 0; i < paths.size(); ++i) {
-    held.push_back(std::make_unique<HeldBuffer>(buffers[i], PyBUF_SIMPLE | PyBUF_WRITABLE,
-                                                "buffers[" + std::to_string(i) + "]"));
-    dsts.push_back(held.back()->data());
-    capacities.push_back(held.back()->view().len);
-    cpaths.push_back(paths[i].c_str());
-    if (crc_starts[i] < 0) {
-      throw pybind11::value_error("crc_starts[" + std::to_string(i) + "] must be >= 0, got " +
-                                  std::to_string(crc_starts[i]));
-    }
-  }
+  const auto args = kvpage::kv_tier::check_kv_file_read_args(paths, buffers, crc_starts);
   std::vector<kvpage::cpu::KVFileRead> reads(paths.size());
   {
     pybind11::gil_scoped_release released;
-    kvpage::cpu::read_kv_files(cpaths.data(), dsts.data(), capacities.data(), crc_starts.data(),
+    kvpage::cpu::read_kv_files(args.paths.data(), args.dsts.data(), args.capacities.data(), crc_starts.data(),
                                static_cast<int64_t>(paths.size()), reads.data());
   }
   std::vector<std::tuple<int, int64_t, uint32_t>> out;
@@ -186,7 +112,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "crc32c",
       [](const pybind11::object& data, uint32_t crc) {
-        const HeldBuffer held(data, PyBUF_SIMPLE, "crc32c: data");
+        const kvpage::kv_tier::HeldBuffer held(data, PyBUF_SIMPLE, "crc32c: data");
         pybind11::gil_scoped_release released;
         return kvpage::cpu::crc32c(held.data(), static_cast<size_t>(held.view().len), crc);
       },
