@@ -387,7 +387,8 @@ def plot(runs: list[tuple[str, dict]], res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (a bad flag exits with its usage, as argparse does); argv None: sys.argv's."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny random model, 8 short requests")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -414,11 +415,16 @@ def main() -> dict:
                              " 768, vllm serve 2048), the issue's comparison of the defaults")
     parser.add_argument("--vllm", action="store_true",
                         help="also vLLM's `vllm serve` (its venv: bash bench/peers/setup_vllm.sh) on the same requests")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.vllm and args.kv_cache_gib is not None and args.kv_cache_gib != int(args.kv_cache_gib):
         parser.error("--kv-cache-gib must be whole GiB with --vllm (vLLM's CPU backend takes whole GiB)")
     if "process" not in args.engine_core.split(","):
         parser.error("--engine-core must include process (the report's kvpage serve)")
+    return args
+
+
+def main() -> dict:
+    args = parse_args()
     with_vllm = args.vllm and vllm_launcher.available()
     if args.vllm and not with_vllm:
         print(f"vllm serve skipped: no vLLM venv at {vllm_launcher.vllm_python().parent.parent}:"
