@@ -39,12 +39,13 @@ def pytest_configure(config):
 
 def _kvpage_is_this_checkout():
     """The suite tests the code beside it: a kvpage installed from another checkout would be tested instead in
-    this process, while the tests' subprocesses (PYTHONPATH=python) import this one."""
+    this process, while the tests' subprocesses (PYTHONPATH=python) import this one. A staging copy whose sources
+    link to this checkout's (build/stage.sh) passes."""
     from pathlib import Path
 
     import kvpage
     here = Path(__file__).resolve().parents[1] / "python" / "kvpage"
-    if Path(kvpage.__path__[0]).resolve() != here:
+    if Path(kvpage.__file__).resolve() != here / "__init__.py":
         raise pytest.UsageError(f"kvpage is imported from {kvpage.__path__[0]}, not from this checkout's {here}:"
                                 f" run pip install -e . here (or set PYTHONPATH={here.parent})")
 
