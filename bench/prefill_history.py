@@ -4,7 +4,9 @@ The shape of a turn-10 SmolLM2 chat prefill: --queries new tokens after --contex
 heads x 64, block 16, fp32 (--dtype bfloat16: a 16-bit cache), 1 thread. With --against DIR it compares two
 builds of the extension: DIR holds another kvpage package (a copy of python/kvpage with its own _C .so);
 paired rounds alternate which build runs first, each in its own process, and report the per-round ratios
-(against / this tree) that a loaded machine skews least.
+(against / this tree) that a loaded machine skews least. Alone, it also times the op's two matrix products as
+dense fp32 GEMMs (torch.bmm, MKL's sgemm: each KV head's query rows against all the keys, no softmax, mask or
+paging): an op near their time runs its products at the speed of the CPU's best fp32 GEMM library.
 
     python bench/prefill_history.py [--context 1300] [--queries 130] [--dtype float32] [--calls 40]
     python bench/prefill_history.py --against /tmp/old_pkg --rounds 6
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def time_op(args) -> float:
@@ -28,7 +31,7 @@ def time_op(args) -> float:
     from kvpage import ops
 
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_size, block_size = 9, 3, 64, 16
+    heads, kv_heads, head_size, block_size = HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE
     seq_len = args.context + args.queries
     num_blocks = -(-seq_len // block_size)
     dtype = getattr(torch, args.dtype)
@@ -47,6 +50,40 @@ def time_op(args) -> float:
         ops.paged_prefill_attention(query, key_cache, value_cache, tables, starts, seq_lens, out=out)
         times.append(time.process_time() - start)
     return statistics.median(times)
+
+
+def op_flops(args) -> int:
+    """Multiply-adds x 2 of the op's two products: query i sees context + i + 1 keys (causal)."""
+    keys_seen = sum(args.context + i + 1 for i in range(args.queries))
+    return 2 * 2 * HEADS * HEAD_SIZE * keys_seen
+
+
+def time_gemms(args) -> float:
+    """Median CPU seconds of the same products as dense fp32 GEMMs: scores = q k^T, out = scores v, each KV
+    head's group of query heads stacked as rows (the op's GQA rows), 1 thread."""
+    import torch
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    rows, keys = args.queries * (HEADS // KV_HEADS), args.context + args.queries
+    q = torch.randn(KV_HEADS, rows, HEAD_SIZE, generator=gen)
+    k_t = torch.randn(KV_HEADS, HEAD_SIZE, keys, generator=gen)
+    v = torch.randn(KV_HEADS, keys, HEAD_SIZE, generator=gen)
+    times = []
+    for i in range(args.calls + 3):
+        start = time.process_time()
+        torch.bmm(torch.bmm(q, k_t), v)
+        if i >= 3:
+            times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def beside_gemms(args, seconds: float) -> str:
+    """The op's time and rate beside its products' as dense GEMMs (timed here, in this process)."""
+    gemms = time_gemms(args)
+    dense = 2 * 2 * HEADS * HEAD_SIZE * args.queries * (args.context + args.queries)
+    return (f"{seconds * 1e3:.3f} ms, {op_flops(args) / seconds / 1e9:.1f} GFLOP/s; its two products as dense fp32 "
+            f"GEMMs (torch.bmm, no softmax / mask / paging): {gemms * 1e3:.3f} ms, {dense / gemms / 1e9:.1f} GFLOP/s; "
+            f"op / GEMMs {seconds / gemms:.2f}")
 
 
 def run_in(package_parent: str, argv) -> float:
@@ -70,21 +107,25 @@ def main(argv=None):
     if args.quick:
         args.context, args.queries, args.calls, args.rounds = 64, 16, 3, 1
         args.against = args.against or str(ROOT / "python")
-    if args.child or args.against is None:
-        seconds = time_op(args)
-        print(f"{seconds * 1e3:.3f} ms" if not args.child else seconds)
+    if args.child:
+        print(time_op(args))
+        return
+    if args.against is None:
+        print(beside_gemms(args, time_op(args)))
         return
     child_argv = [f"--context={args.context}", f"--queries={args.queries}", f"--dtype={args.dtype}",
                   f"--calls={args.calls}"]
     builds = {"this tree": str(ROOT / "python"), "against": args.against}
-    ratios = []
+    ratios, this_tree = [], []
     for r in range(args.rounds):
         order = list(builds) if r % 2 == 0 else list(builds)[::-1]
         ms = {name: run_in(builds[name], child_argv) * 1e3 for name in order}
         ratios.append(ms["against"] / ms["this tree"])
+        this_tree.append(ms["this tree"] / 1e3)
         print(f"round {r}: this tree {ms['this tree']:.3f} ms, against {ms['against']:.3f} ms, "
               f"against / this tree {ratios[-1]:.3f}")
     print(f"median ratio against / this tree: {statistics.median(ratios):.3f}")
+    print("this tree (median):", beside_gemms(args, statistics.median(this_tree)))
 
 
 if __name__ == "__main__":
