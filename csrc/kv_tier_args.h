@@ -42,18 +42,12 @@ struct KVBlockCopyArgs {
   std::vector<int64_t> row_bytes;  // per cache: one block's bytes
 };
 
-// caches: one C-contiguous buffer per cache tensor, its first dimension the blocks (writable when to_cache);
-// payloads[i]: block block_ids[i]'s row of every cache in turn (writable when not to_cache).
-inline KVBlockCopyArgs check_kv_block_copy_args(const pybind11::sequence& payloads,
-                                                const std::vector<int64_t>& block_ids,
-                                                const pybind11::sequence& caches, bool to_cache) {
-  if (payloads.size() != block_ids.size()) {
-    throw pybind11::value_error("payloads and block_ids must have the same length, got " +
-                                std::to_string(payloads.size()) + " and " + std::to_string(block_ids.size()));
-  }
+// The caches' part of KVBlockCopyArgs (write/read_kv_blocks, load_kv_files): each cache held (writable: written),
+// every block id inside it; returns a block's bytes over all caches.
+inline int64_t hold_caches(KVBlockCopyArgs& args, const pybind11::sequence& caches,
+                           const std::vector<int64_t>& block_ids, bool writable) {
   if (caches.size() == 0) throw pybind11::value_error("caches must hold at least one cache buffer");
-  const int cache_flags = PyBUF_C_CONTIGUOUS | (to_cache ? PyBUF_WRITABLE : 0);
-  KVBlockCopyArgs args;
+  const int cache_flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
   int64_t block_bytes = 0;
   for (size_t t = 0; t < caches.size(); ++t) {
     const std::string what = "caches[" + std::to_string(t) + "]";
@@ -70,6 +64,20 @@ inline KVBlockCopyArgs check_kv_block_copy_args(const pybind11::sequence& payloa
     args.row_bytes.push_back(v.len / v.shape[0]);
     block_bytes += args.row_bytes.back();
   }
+  return block_bytes;
+}
+
+// caches: one C-contiguous buffer per cache tensor, its first dimension the blocks (writable when to_cache);
+// payloads[i]: block block_ids[i]'s row of every cache in turn (writable when not to_cache).
+inline KVBlockCopyArgs check_kv_block_copy_args(const pybind11::sequence& payloads,
+                                                const std::vector<int64_t>& block_ids,
+                                                const pybind11::sequence& caches, bool to_cache) {
+  if (payloads.size() != block_ids.size()) {
+    throw pybind11::value_error("payloads and block_ids must have the same length, got " +
+                                std::to_string(payloads.size()) + " and " + std::to_string(block_ids.size()));
+  }
+  KVBlockCopyArgs args;
+  const int64_t block_bytes = hold_caches(args, caches, block_ids, to_cache);
   const int payload_flags = PyBUF_SIMPLE | (to_cache ? 0 : PyBUF_WRITABLE);
   for (size_t i = 0; i < payloads.size(); ++i) {
     const std::string what = "payloads[" + std::to_string(i) + "]";
@@ -110,6 +118,35 @@ inline KVFileReadArgs check_kv_file_read_args(const std::vector<std::string>& pa
       throw pybind11::value_error("crc_starts[" + std::to_string(i) + "] must be >= 0, got " +
                                   std::to_string(crc_starts[i]));
     }
+  }
+  return args;
+}
+
+// load_kv_files' arguments, checked: the same lifetime rule as KVBlockCopyArgs.
+struct KVFileLoadArgs {
+  KVBlockCopyArgs caches;
+  std::vector<const char*> paths;  // into the caller's strings
+};
+
+// File i (sizes[i] bytes) holds block block_ids[i]'s row of every cache (writable) in turn from offsets[i] on.
+inline KVFileLoadArgs check_kv_file_load_args(const std::vector<std::string>& paths, const std::vector<int64_t>& sizes,
+                                              const std::vector<int64_t>& offsets,
+                                              const std::vector<int64_t>& block_ids, const pybind11::sequence& caches) {
+  if (sizes.size() != paths.size() || offsets.size() != paths.size() || block_ids.size() != paths.size()) {
+    throw pybind11::value_error("paths, sizes, offsets and block_ids must have the same length, got " +
+                                std::to_string(paths.size()) + ", " + std::to_string(sizes.size()) + ", " +
+                                std::to_string(offsets.size()) + " and " + std::to_string(block_ids.size()));
+  }
+  KVFileLoadArgs args;
+  const int64_t block_bytes = hold_caches(args.caches, caches, block_ids, true);
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if (offsets[i] < 0 || sizes[i] != offsets[i] + block_bytes) {
+      throw pybind11::value_error("sizes[" + std::to_string(i) + "] must be offsets[" + std::to_string(i) +
+                                  "] + a block's bytes in these caches (" + std::to_string(block_bytes) +
+                                  ") with offsets[" + std::to_string(i) + "] >= 0, got " + std::to_string(sizes[i]) +
+                                  " and " + std::to_string(offsets[i]));
+    }
+    args.paths.push_back(paths[i].c_str());
   }
   return args;
 }

@@ -107,6 +107,15 @@ struct KVFileRead {
 };
 void read_kv_files(const char* const* paths, uint8_t* const* dsts, const int64_t* capacities,
                    const int64_t* crc_starts, int64_t num_files, KVFileRead* out);
+// The disk tier's load straight into a CPU cache (cpu/kv_blocks.cpp): file i (of sizes[i] bytes, else nothing is
+// read) holds from offsets[i] on block block_ids[i]'s row of every cache in turn (row_bytes[t] bytes of cache t, whose
+// block b starts at caches[t] + b * row_bytes[t]); they are read into those rows (files in parallel on the op
+// threads) and out[i].crc is the CRC-32C of the rows, computed right after. out[i].size: the file's size, or the
+// position its read reached where that fell short; error: the errno, 0 if none. The caller checks the arguments
+// (offsets[i] + the rows' bytes == sizes[i]) and the results: a failed file leaves its rows partly written.
+void load_kv_files(const char* const* paths, const int64_t* sizes, const int64_t* offsets, const int64_t* block_ids,
+                   int64_t num_files, uint8_t* const* caches, const int64_t* row_bytes, int64_t num_caches,
+                   KVFileRead* out);
 // The KV offload tier's block moves (cpu/kv_blocks.cpp): payloads[i] is block block_ids[i]'s row of every cache in
 // turn (row_bytes[t] bytes of cache t, whose block b starts at caches[t] + b * row_bytes[t]); to_cache copies the
 // payloads into the caches (non-temporal stores), else the caches' rows into the payloads. The caller checks the

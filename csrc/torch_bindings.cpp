@@ -79,6 +79,14 @@ void copy_kv_blocks_py(const pybind11::sequence& payloads, const std::vector<int
                               static_cast<int64_t>(args.row_bytes.size()), to_cache);
 }
 
+// [kv tier] read_kv_files / load_kv_files' results as Python takes them: (errno, size, crc) per file.
+std::vector<std::tuple<int, int64_t, uint32_t>> kv_file_results(const std::vector<kvpage::cpu::KVFileRead>& reads) {
+  std::vector<std::tuple<int, int64_t, uint32_t>> out;
+  out.reserve(reads.size());
+  for (const auto& r : reads) out.emplace_back(r.error, r.size, r.crc);
+  return out;
+}
+
 // [kv tier] kvpage._C.read_kv_files: (errno, size, crc) of each file read into its buffer, GIL released.
 std::vector<std::tuple<int, int64_t, uint32_t>> read_kv_files_py(const std::vector<std::string>& paths,
                                                                  const pybind11::sequence& buffers,
@@ -90,10 +98,25 @@ std::vector<std::tuple<int, int64_t, uint32_t>> read_kv_files_py(const std::vect
     kvpage::cpu::read_kv_files(args.paths.data(), args.dsts.data(), args.capacities.data(), crc_starts.data(),
                                static_cast<int64_t>(paths.size()), reads.data());
   }
-  std::vector<std::tuple<int, int64_t, uint32_t>> out;
-  out.reserve(reads.size());
-  for (const auto& r : reads) out.emplace_back(r.error, r.size, r.crc);
-  return out;
+  return kv_file_results(reads);
+}
+
+// [kv tier] kvpage._C.load_kv_files: (errno, size, crc) of each file read into its block's cache rows, GIL released.
+std::vector<std::tuple<int, int64_t, uint32_t>> load_kv_files_py(const std::vector<std::string>& paths,
+                                                                 const std::vector<int64_t>& sizes,
+                                                                 const std::vector<int64_t>& offsets,
+                                                                 const std::vector<int64_t>& block_ids,
+                                                                 const pybind11::sequence& caches) {
+  const auto args = kvpage::kv_tier::check_kv_file_load_args(paths, sizes, offsets, block_ids, caches);
+  std::vector<kvpage::cpu::KVFileRead> reads(paths.size());
+  {
+    pybind11::gil_scoped_release released;
+    kvpage::cpu::load_kv_files(args.paths.data(), sizes.data(), offsets.data(), block_ids.data(),
+                               static_cast<int64_t>(paths.size()), args.caches.cache_ptrs.data(),
+                               args.caches.row_bytes.data(), static_cast<int64_t>(args.caches.row_bytes.size()),
+                               reads.data());
+  }
+  return kv_file_results(reads);
 }
 
 }  // namespace
@@ -122,6 +145,11 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("crc_starts"),
         "[kv tier] Read each file whole into its writable buffer (where its size fits; the files in parallel, GIL "
         "released): a list of (errno or 0, the file's size, CRC-32C of its bytes from crc_starts[i] on)");
+  m.def("load_kv_files", &load_kv_files_py, pybind11::arg("paths"), pybind11::arg("sizes"), pybind11::arg("offsets"),
+        pybind11::arg("block_ids"), pybind11::arg("caches"),
+        "[kv tier] Read file i (of sizes[i] bytes; else nothing is read) from offsets[i] on straight into block "
+        "block_ids[i]'s row of every cache in turn (files in parallel, GIL released): a list of (errno or 0, the "
+        "file's size or the position its read reached, CRC-32C of the rows)");
   for (const auto& [name, to_cache, doc] :
        {std::tuple{"write_kv_blocks", true,
                    "[kv tier] Copy payloads[i] (block block_ids[i]'s row of every cache in turn) into the caches "

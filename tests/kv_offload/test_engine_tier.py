@@ -185,6 +185,30 @@ def test_damaged_files_warn_and_never_change_a_token(base, reference, tmp_path, 
     assert rejected > 0 and len([r for r in caplog.records if "skipping" in r.getMessage()]) == rejected
 
 
+def test_a_payload_failing_its_load_is_recomputed(base, reference, tmp_path, caplog):
+    """A disk tier checks a block's header and key when the scheduler matches it and its payload when the step
+    reads it into the cache: a flipped payload byte passes the first and fails the second. The step is then
+    recovered before its forward pass (KVLoadError: its requests requeued) and the failed blocks, gone from the
+    tier, are recomputed: the same greedy tokens as with the tier off."""
+    llm = engine(base, kv_offloading_dir=str(tmp_path))
+    waves(llm, rounds=1)
+    for path in sorted(tmp_path.rglob("*.kvb"))[::2]:
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x08
+        path.write_bytes(bytes(data))
+    e = llm.llm_engine
+    recoveries = []
+    recompute = e._recompute_failed_load
+    e._recompute_failed_load = lambda: (recoveries.append(1), recompute())
+    with caplog.at_level(logging.WARNING, logger="kvpage"):
+        second = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert second == reference["greedy"][1]
+    stats = llm.stats()
+    assert recoveries and stats["kv_offload_rejected_blocks"] > 0
+    assert len([r for r in caplog.records if "checksum" in r.getMessage()]) == stats["kv_offload_rejected_blocks"]
+    assert stats["kv_offload_loaded_blocks"] > 0
+
+
 def test_another_models_directory_is_never_loaded(base, reference, tmp_path):
     first = engine(base, kv_offloading_dir=str(tmp_path))
     first.generate(PROMPTS, GREEDY, use_tqdm=False)

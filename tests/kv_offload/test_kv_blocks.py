@@ -1,7 +1,8 @@
 """The KV offload tier's batch ops in kvpage._C, on every CPU kernel ISA this machine has and on one and two op
 threads: write_kv_blocks / read_kv_blocks (a batch of block payloads into and out of per-tensor caches) against
-numpy slice assignments of the same bytes, and read_kv_files (a load's files read and checksummed) against the
-files' bytes and crc32c; bad arguments are named."""
+numpy slice assignments of the same bytes, read_kv_files (a load's files read and checksummed) against the
+files' bytes and crc32c, and load_kv_files (block files read straight into the cache rows) against both; bad
+arguments are named."""
 import errno
 import os
 import random
@@ -140,3 +141,60 @@ def test_read_kv_files_reports_errors_and_files_too_big(tmp_path):
     with pytest.raises(ValueError, match=r"crc_starts\[0\] must be >= 0"):
         _C.read_kv_files(paths[:1], buffers[:1], [-1])
     assert os.path.exists(paths[0])
+
+
+def block_files(tmp_path, views, n, seed=0):
+    """n block files as the disk tier lays them out: a header of a few bytes (different per file), then the block's
+    row of every cache in turn. (paths, sizes, offsets, payloads)."""
+    paths, sizes, offsets = [], [], []
+    rows = payloads(views, n, seed)
+    for i, row in enumerate(rows):
+        header = bytes([i + 1]) * (17 + 5 * i)
+        (tmp_path / f"b{i}").write_bytes(header + bytes(row))
+        paths.append(str(tmp_path / f"b{i}"))
+        offsets.append(len(header))
+        sizes.append(len(header) + len(row))
+    return paths, sizes, offsets, rows
+
+
+def test_load_kv_files_reads_into_the_rows_and_checksums(cpu_isa, tmp_path):
+    """The disk tier's load straight into the cache: the rows as write_kv_blocks of the files' payloads would leave
+    them, each file's CRC-32C that of its payload."""
+    tensors, views = caches(seed=2)
+    expected_tensors, expected = caches(seed=2)
+    block_ids = [9, 2, 0, 11, 6]
+    paths, sizes, offsets, rows = block_files(tmp_path, views, len(block_ids))
+    results = _C.load_kv_files(paths, sizes, offsets, block_ids, views)
+    assert results == [(0, size, _C.crc32c(row)) for size, row in zip(sizes, rows)]
+    write_by_slices(expected, block_ids, rows)
+    for t, want in zip(tensors, expected_tensors):
+        assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_load_kv_files_reports_errors_and_reads_no_other_file(tmp_path):
+    """A file missing, not a regular file, or of another size than the caller checked: its errno or its size, and
+    its rows untouched (a file of another size is not the one whose header was checked)."""
+    tensors, views = caches(seed=3)
+    before = [t.clone() for t in tensors]
+    paths, sizes, offsets, _ = block_files(tmp_path, views, 3)
+    (tmp_path / "dir").mkdir()
+    with open(paths[2], "ab") as f:
+        f.write(b"+")
+    results = _C.load_kv_files([str(tmp_path / "missing"), str(tmp_path / "dir"), paths[2]], sizes, offsets,
+                               [1, 2, 3], views)
+    assert results[0][0] == errno.ENOENT and results[1][0] == errno.EISDIR
+    assert results[2] == (0, sizes[2] + 1, 0)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+def test_load_kv_files_bad_arguments_are_named(tmp_path):
+    _, views = caches()
+    paths, sizes, offsets, _ = block_files(tmp_path, views, 2)
+    with pytest.raises(ValueError, match="same length"):
+        _C.load_kv_files(paths, sizes[:1], offsets, [1, 2], views)
+    with pytest.raises(ValueError, match=r"sizes\[1\] must be offsets\[1\] \+ a block's bytes"):
+        _C.load_kv_files(paths, [sizes[0], sizes[1] - 1], offsets, [1, 2], views)
+    with pytest.raises(ValueError, match=rf"block_ids\[1\] = {NUM_BLOCKS} is outside caches\[0\]"):
+        _C.load_kv_files(paths, sizes, offsets, [1, NUM_BLOCKS], views)
+    with pytest.raises(TypeError, match=r"caches\[1\] must be a writable"):
+        _C.load_kv_files(paths, sizes, offsets, [1, 2], views[:1] + [bytes(views[1].nbytes)] + views[2:])

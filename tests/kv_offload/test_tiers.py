@@ -107,12 +107,22 @@ def _file(tier, h):
     return tier._path(h)
 
 
-@pytest.mark.parametrize("read", ["get", "get_many"])
+def match_and_load(tier, h, k, block_id=1):
+    """The disk tier's load straight into a cache (match_many: header and key; load_into: the payload into its
+    block's rows, checksummed): the block's row as loaded, None where matching or loading failed."""
+    block = tier.match_many([(h, k)])[0]
+    if block is None:
+        return None
+    cache = np.zeros((3, len(block)), dtype=np.uint8)
+    return bytes(cache[block_id]) if tier.load_into([block], [block_id], [cache]) == [True] else None
+
+
+@pytest.mark.parametrize("read", ["get", "get_many", "match_and_load"])
 @pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "pad", "empty", "foreign",
                                     "older_format"])
 def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage, read):
-    """Through get and through get_many (kvpage._C.read_kv_files' reads and checksums; a file longer than
-    indexed is read on its own)."""
+    """Through get, get_many (kvpage._C.read_kv_files' reads and checksums; a file longer than indexed is read on
+    its own) and match_and_load (a flipped payload passes the match and fails its load)."""
     items = entries(2)
     tier = disk(tmp_path)
     store(tier, items)
@@ -136,7 +146,8 @@ def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage, read
         store(other, [items[1]])
         data = _file(other, h).read_bytes()
     path.write_bytes(bytes(data))
-    get = tier.get if read == "get" else lambda h, k: tier.get_many([(h, k)])[0]
+    get = {"get": tier.get, "get_many": lambda h, k: tier.get_many([(h, k)])[0],
+           "match_and_load": lambda h, k: match_and_load(tier, h, k)}[read]
     with caplog.at_level(logging.WARNING, logger="kvpage"):
         assert get(h, k) is None
         assert get(h, k) is None  # asked again: no second warning, the file is gone
@@ -144,6 +155,33 @@ def test_damaged_file_is_skipped_with_one_warning(tmp_path, caplog, damage, read
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
     assert not path.exists() and tier.stats.rejected_blocks == 1
     assert tier.get(*items[0][:2]) == items[0][2]  # the intact block still loads
+    assert match_and_load(tier, *items[0][:2]) == items[0][2]
+
+
+def test_a_block_changed_after_its_match_fails_its_load(tmp_path, caplog):
+    """What load_into reads is checked again: a file removed since the match (another process's LRU) is a quiet
+    miss; one whose payload bytes changed, or that another of its size replaced, fails its checksum (one
+    warning, the file removed); one whose payload length is not the cache's is rejected unread. The blocks
+    that passed hold exactly their payloads."""
+    items = entries(5)
+    tier = disk(tmp_path)
+    store(tier, items)
+    blocks = tier.match_many([(h, k) for h, k, _ in items])
+    assert all(b is not None and len(b) == len(p) for b, (_, _, p) in zip(blocks, items))
+    _file(tier, items[1][0]).unlink()
+    path = _file(tier, items[3][0])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    cache = np.zeros((6, len(items[0][2])), dtype=np.uint8)
+    with caplog.at_level(logging.WARNING, logger="kvpage"):
+        ok = tier.load_into(blocks, [5, 4, 3, 2, 1], [cache])
+        assert tier.load_into(blocks[:1], [0], [np.zeros((1, 7), dtype=np.uint8)]) == [False]
+    assert ok == [True, False, True, False, True]
+    assert [bytes(cache[b]) for b in (5, 3, 1)] == [items[i][2] for i in (0, 2, 4)]
+    warnings = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(warnings) == 2 and "checksum" in warnings[0] and "cache's blocks take 7" in warnings[1]
+    assert not tier.contains(items[1][0]) and not path.exists() and tier.stats.rejected_blocks == 2
 
 
 def test_unwritable_directory_is_a_clear_error(tmp_path):

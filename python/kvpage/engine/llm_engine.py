@@ -16,6 +16,7 @@ from kvpage.core import BeamStep, FinishReason, Scheduler, SchedulerOutput
 from kvpage.core.block_manager import CacheConfig
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.kv_cache_groups import KVCacheLayout
+from kvpage.kv_offload.connector import KVLoadError
 
 from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from .beam_search import BeamSearchState, select_beams
@@ -142,6 +143,9 @@ class LLMEngine(RequestIntake, OutputProcessing):
                     state.prompt_logprobs[position + 1:] = entries
                 outputs = self._process(rows)
             return outputs
+        except KVLoadError:  # [kv tier] before the forward pass: the step is recomputed, nothing is lost
+            self._recompute_failed_load()
+            return []
         except BaseException:
             self._fail_step(out)
             raise
@@ -160,6 +164,13 @@ class LLMEngine(RequestIntake, OutputProcessing):
                 self.scheduler.finish_requests([s.request_id for s in out.scheduled], FinishReason.ABORT)
             self.failed_request_ids = None if out is None else sorted({s.request_id for s in out.scheduled})
             self._drop_finished()
+
+    def _recompute_failed_load(self) -> None:
+        """[kv tier] A step whose KV tier load failed (KVLoadError: a disk tier's payload gone or corrupt when
+        read into its blocks, before the forward pass): its requests are requeued as by recompute preemption
+        (Scheduler.recover); the failed entries have left the tier, so the next schedule recomputes them."""
+        with deferred_interrupts():
+            self.scheduler.recover()
 
     def _drop_finished(self) -> None:
         """Forget the requests a failed step left finished without the engine reporting them."""

@@ -29,6 +29,17 @@ from kvpage.core.prefix_cache import BlockKey
 from kvpage.core.sequence import Sequence
 
 
+class KVLoadError(RuntimeError):
+    """A step's tier load failed after allocation (a disk tier's payload gone or failing its checksum when read
+    into the cache: kv_offload.disk_tier.DiskTier.load_into). Raised by the worker before the forward pass; the
+    engine then recovers the step (its requests requeued, as by recompute preemption): the failed entries have
+    left the tier, so their tokens are recomputed (vLLM's recompute of failed KV loads)."""
+
+    def __init__(self, block_ids: list[int]) -> None:
+        super().__init__(f"KV offload tier: loading device blocks {block_ids} failed")
+        self.block_ids = block_ids
+
+
 @dataclass
 class KVConnectorMeta:
     """One step's work for the worker: stores first (their device blocks may be reused by this very
@@ -194,8 +205,9 @@ class OffloadingConnector(KVConnectorBase):
     def _read_local(self, seq: Sequence, match: "_Match", entries: list[tuple[int, int]]) -> bool:
         """Read entries from this process's tier until one fails (then a miss: False)."""
         bs = self.block_size
-        payloads = self.tier.get_many([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
-                                       for g, i in entries])
+        # A disk tier checks headers and keys now and its payloads when they load (match_many: DiskBlocks).
+        read = getattr(self.tier, "match_many", self.tier.get_many)
+        payloads = read([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g)) for g, i in entries])
         for entry, payload in zip(entries, payloads):
             if payload is None:
                 match.bad.add(entry)

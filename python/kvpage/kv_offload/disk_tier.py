@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import queue
+import stat
 import struct
 import sys
 import threading
@@ -204,49 +205,130 @@ class DiskTier(_Tier):
         """The payload of a file read (error: its errno, 0 if none; data: its bytes; crc: CRC-32C of them from
         _payload_start(key) on, where computed with the read) if it passes every check; else None (a file
         failing one is rejected)."""
+        if error:
+            return self._read_failed(block_hash, error)
+        problem, payload = self._parse(data, block_hash, key, crc)
+        if self._accept(block_hash, problem):
+            self._count_read(payload)
+            return payload
+        return None
+
+    def _read_failed(self, block_hash: bytes, error: int) -> None:
         if error == errno.ENOENT:  # removed by another process (its own LRU)
             self._forget(block_hash, remove_file=False)
-            return None
-        if error:
+        else:
             self._reject(block_hash, f"unreadable ({os.strerror(error) if error > 0 else 'read failed'})")
-            return None
-        problem, payload = self._parse(data, block_hash, key, crc)
-        if problem == "other key":  # a true hash collision: the file is another block's, keep it
-            return None
+
+    def _accept(self, block_hash: bytes, problem: str | None) -> bool:
+        """Whether a file whose checks found `problem` (None: none) is used (then it is the most recently used);
+        a failing file is rejected, but for a true hash collision (another block's file: kept)."""
         if problem is not None:
-            self._reject(block_hash, problem)
-            return None
+            if problem != "other key":
+                self._reject(block_hash, problem)
+            return False
         self.touch(block_hash)
-        self._count_read(payload)
-        return payload
+        return True
+
+    # -- loads straight into a CPU cache ---------------------------------------------------------
+
+    def match_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
+        """As get_many, but each hit is a DiskBlock: its file's header and full key checked now (a small read),
+        its payload read and checksummed only when loaded (load_into: straight into the cache's rows, after
+        allocation). A payload failing its checksum then is a load error (its tokens are recomputed)."""
+        out = []
+        for block_hash, key in requests:
+            out.append(self._match(block_hash, key) if self.contains(block_hash) else None)
+            if out[-1] is None:
+                break
+        return out
+
+    def _match(self, block_hash: bytes, key: BlockKey) -> "DiskBlock | None":
+        path = self._file(block_hash)
+        try:
+            # O_NONBLOCK: something other than a file under a block's name (a FIFO) cannot hang the step.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return self._read_failed(block_hash, errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+                head = os.pread(fd, _payload_start(key), 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            return self._read_failed(block_hash, e.errno or -1)
+        problem, checksum, offset = self._parse_header(memoryview(head), st.st_size, block_hash, key)
+        if not self._accept(block_hash, problem):
+            return None
+        return DiskBlock(block_hash, key, path, st.st_size, offset, checksum)
+
+    def load_into(self, blocks: list["DiskBlock"], block_ids: list[int], caches: list) -> list[bool]:
+        """Read each block's payload straight into its cache block's rows (kvpage._C.load_kv_files: caches are
+        the worker's per-tensor byte views, blocks first) and checksum them; whether each passed. A block that
+        fails (gone, changed since matched, corrupt, or not this cache's block size) is rejected as a read
+        would reject it, its rows left partly written: the caller must not use them."""
+        row_bytes = sum(c.nbytes // c.shape[0] for c in caches)
+        ok = [len(b) == row_bytes for b in blocks]
+        for b, good in zip(blocks, ok):
+            if not good:
+                self._reject(b.block_hash, f"a {len(b)}-byte payload; this cache's blocks take {row_bytes}")
+        todo = [i for i, good in enumerate(ok) if good]
+        results = _extension().load_kv_files([blocks[i].path for i in todo], [blocks[i].size for i in todo],
+                                             [blocks[i].offset for i in todo], [block_ids[i] for i in todo], caches)
+        for i, (error, size, crc) in zip(todo, results):
+            b = blocks[i]
+            if error:
+                self._read_failed(b.block_hash, error)
+            elif size != b.size:
+                self._reject(b.block_hash, f"changed since it was matched ({size} bytes, {b.size} then)")
+            elif _checksum_field(crc) != b.checksum:
+                self._reject(b.block_hash, "corrupt (payload checksum mismatch)")
+            else:
+                self._count_read(b)
+                continue
+            ok[i] = False
+        return ok
+
+    def read(self, block: "DiskBlock") -> memoryview | None:
+        """A matched block's payload read whole and verified now (a load into a cache that is not CPU memory)."""
+        return self.get(block.block_hash, block.key)
 
     def _parse(self, data: memoryview, block_hash: bytes, key: BlockKey,
                crc: int | None = None) -> tuple[str | None, memoryview | None]:
         """(None, payload: a view of data, not a copy) for a whole, matching file; else (what is wrong, None).
         crc: the CRC-32C of data from _payload_start(key) on, where the caller computed it with the read."""
-        if len(data) < len(MAGIC) + _HEADER.size:
-            return "truncated (shorter than its header)", None
-        if bytes(data[:len(MAGIC)]) != MAGIC:
-            return "not a kvpage block file of this format version", None
-        fp, stored_hash, parent, checksum, group, n_tokens, n_extra, n_payload = _HEADER.unpack_from(data, len(MAGIC))
-        if fp != self._fingerprint_bytes:
-            return "written for another model or configuration (fingerprint differs)", None
-        start = len(MAGIC) + _HEADER.size
-        if len(data) != start + n_tokens + n_extra + n_payload:
-            return f"truncated or padded ({len(data)} bytes, header says {start + n_tokens + n_extra + n_payload})", None
-        if group_key(stored_hash, int.from_bytes(group[:2], "little")) != block_hash:
-            return "holds another block hash than its name", None
-        tokens = bytes(data[start:start + n_tokens])
-        extra = bytes(data[start + n_tokens:start + n_tokens + n_extra])
-        payload = data[start + n_tokens + n_extra:]
-        computed = _checksum(payload) if crc is None or len(data) - len(payload) != _payload_start(key) else \
-            _checksum_field(crc)
+        problem, checksum, offset = self._parse_header(data, len(data), block_hash, key)
+        if problem is not None:
+            return problem, None
+        payload = data[offset:]
+        computed = _checksum(payload) if crc is None or offset != _payload_start(key) else _checksum_field(crc)
         if computed != checksum:
             return "corrupt (payload checksum mismatch)", None
-        if (parent != key.parent_hash or tokens != key.token_bytes or extra != _extra_bytes(key)
-                or group != _group_bytes(key)):
-            return "other key", None
         return None, payload
+
+    def _parse_header(self, head: memoryview, file_size: int, block_hash: bytes,
+                      key: BlockKey) -> tuple[str | None, bytes | None, int]:
+        """The checks of a file of file_size bytes that need only its start `head` (at least up to
+        _payload_start(key)): (None, the payload's checksum field, where the payload starts) for a file of this
+        model naming this block under `key`, whole by its header's lengths; else (what is wrong, None, 0)."""
+        if file_size < len(MAGIC) + _HEADER.size or len(head) < len(MAGIC) + _HEADER.size:
+            return "truncated (shorter than its header)", None, 0
+        if bytes(head[:len(MAGIC)]) != MAGIC:
+            return "not a kvpage block file of this format version", None, 0
+        fp, stored_hash, parent, checksum, group, n_tokens, n_extra, n_payload = _HEADER.unpack_from(head, len(MAGIC))
+        if fp != self._fingerprint_bytes:
+            return "written for another model or configuration (fingerprint differs)", None, 0
+        start = len(MAGIC) + _HEADER.size
+        if file_size != start + n_tokens + n_extra + n_payload:
+            return (f"truncated or padded ({file_size} bytes, header says {start + n_tokens + n_extra + n_payload})",
+                    None, 0)
+        if group_key(stored_hash, int.from_bytes(group[:2], "little")) != block_hash:
+            return "holds another block hash than its name", None, 0
+        extra = _extra_bytes(key)
+        if (n_tokens != len(key.token_bytes) or n_extra != len(extra) or parent != key.parent_hash
+                or bytes(head[start:start + n_tokens]) != key.token_bytes
+                or bytes(head[start + n_tokens:start + n_tokens + n_extra]) != extra or group != _group_bytes(key)):
+            return "other key", None, 0
+        return None, checksum, start + n_tokens + n_extra
 
     def _reject(self, block_hash: bytes, problem: str) -> None:
         logger.warning("kvpage: KV offload disk tier: skipping %s: %s; it is not loaded (the block is recomputed)",
@@ -322,6 +404,20 @@ class DiskTier(_Tier):
             self._warned_write = True
             logger.warning("kvpage: KV offload disk tier: writing a block under %s failed (%s); blocks that cannot be"
                            " written are not offloaded (they are recomputed when needed)", self.directory, error)
+
+
+class DiskBlock:
+    """A disk tier hit whose file's header and full key were checked at match time (DiskTier.match_many); its
+    payload is read and checksummed when loaded (DiskTier.load_into). len(): the payload's bytes."""
+
+    __slots__ = ("block_hash", "key", "path", "size", "offset", "checksum")
+
+    def __init__(self, block_hash: bytes, key: BlockKey, path: str, size: int, offset: int, checksum: bytes) -> None:
+        self.block_hash, self.key, self.path = block_hash, key, path
+        self.size, self.offset, self.checksum = size, offset, checksum  # the file's bytes, the payload's start
+
+    def __len__(self) -> int:
+        return self.size - self.offset
 
 
 class _Arena:

@@ -21,7 +21,8 @@ import kvpage
 from kvpage import _C
 from kvpage.engine.executor_base import Executor
 
-from .connector import KVConnectorMeta
+from .connector import KVConnectorMeta, KVLoadError
+from .disk_tier import DiskBlock
 
 _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
 
@@ -98,12 +99,36 @@ class KVOffloadWorker(Executor):
 
     @torch.inference_mode()
     def wait_for_load(self) -> None:
+        """Write the pending loads into their blocks; KVLoadError (after every other load is written) where a
+        disk tier's payload failed its checks when read: the step must not run on those blocks."""
         loads, self._pending_loads = self._pending_loads, []
         if loads:
             start = time.perf_counter()
-            self.write_blocks([block_id for block_id, _ in loads], [payload for _, payload in loads])
+            failed = self.load_blocks([block_id for block_id, _ in loads], [payload for _, payload in loads])
             if self.load_cost is not None:
                 self.load_cost.add_copy(len(loads), time.perf_counter() - start)
+            if failed:
+                raise KVLoadError(failed)
+
+    def load_blocks(self, block_ids: list[int], payloads: list) -> list[int]:
+        """Write each payload into its block: bytes as they are; a disk tier's DiskBlock read now, behind a CPU
+        pool straight into the cache's rows (no host copy in between). Returns the blocks whose read failed."""
+        ready = [(b, p) for b, p in zip(block_ids, payloads) if not isinstance(p, DiskBlock)]
+        lazy = [(b, p) for b, p in zip(block_ids, payloads) if isinstance(p, DiskBlock)]
+        failed = []
+        if lazy and self._host_views is not None:
+            ok = self.tier.load_into([p for _, p in lazy], [b for b, _ in lazy], self._host_views)
+            failed = [b for (b, _), good in zip(lazy, ok) if not good]
+        else:
+            for b, p in lazy:
+                data = self.tier.read(p)
+                if data is None:
+                    failed.append(b)
+                else:
+                    ready.append((b, data))
+        if ready:
+            self.write_blocks([b for b, _ in ready], [p for _, p in ready])
+        return failed
 
     def flush_tier(self) -> None:
         """Wait until every block handed to the tier is stored (a disk tier writes on its own thread)."""
