@@ -65,3 +65,27 @@ def test_tp2_disk_tier_restart_and_a_damaged_rank(model, reference, tmp_path):
     got, damaged = restart()
     assert got == reference[0]
     assert damaged["kv_offload_hit_tokens"] < warm["kv_offload_hit_tokens"]
+
+
+def test_a_ranks_probe_reads_in_batches_and_answers_each_entry(tmp_path):
+    """A worker rank's probe reads the entries it has not verified through get_many (one batch up to and including
+    a miss, then the next after it), keeps the verified payloads for the schedule, and answers each entry."""
+    from types import SimpleNamespace
+
+    from test_tiers import FP, entries, store
+
+    from kvpage.kv_offload.disk_tier import DiskTier
+    from kvpage.kv_offload.tp import RankOffload
+
+    items = entries(6)
+    tier = DiskTier(tmp_path, FP, 1 << 20)
+    store(tier, items[:2] + items[3:])  # block 2 missing
+    batches = []
+    get_many = tier.get_many
+    tier.get_many = lambda requests: (batches.append(len(requests)), get_many(requests))[1]
+    rank = RankOffload.__new__(RankOffload)
+    rank.rank, rank.worker, rank._pending, rank._epoch = 1, SimpleNamespace(tier=tier), {}, -1
+    requests = [(h, k) for h, k, _ in items]
+    assert rank.probe(0, requests) == [1, 1, 0, 1, 1, 1] and batches == [6, 3]
+    assert {h: bytes(p) for h, p in rank._pending.items()} == {h: p for h, _, p in items[:2] + items[3:]}
+    assert rank.probe(0, requests[:2]) == [1, 1] and batches == [6, 3]  # verified in this schedule: not read again

@@ -9,7 +9,9 @@ leaves at most a temporary file, which is ignored (and removed once stale). Ther
 index to get out of step with the data: the files are the index (read at start-up, so a new process
 starts warm). Every read checks the header (magic, format version, fingerprint, block hash, full key),
 the length and a checksum of the payload; a file failing any check is skipped with one warning and
-removed, never loaded.
+removed, never loaded. The scheduler's lookup (match_many) checks all but the checksum from a small read; the
+payload is then read straight into the pool's rows after allocation (load_into, behind a CPU pool) and its
+checksum checked there: a payload failing then is a load error, and its tokens are recomputed (KVLoadError).
 """
 from __future__ import annotations
 

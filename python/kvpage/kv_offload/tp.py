@@ -116,15 +116,16 @@ class RankOffload:
         if epoch != self._epoch:  # a new schedule: what an earlier one verified but did not load is dropped
             self._pending.clear()
             self._epoch = epoch
-        flags = []
-        for block_hash, key in items:
-            payload = self._pending.get(block_hash)
-            if payload is None:
-                payload = self.worker.tier.get(block_hash, key)
+        # The entries not verified yet, read in batches (get_many: a disk tier's files in one kvpage._C call), each
+        # batch up to and including its first miss; the next one starts after it.
+        todo = [(block_hash, key) for block_hash, key in items if block_hash not in self._pending]
+        while todo:
+            payloads = self.worker.tier.get_many(todo)
+            for (block_hash, _), payload in zip(todo, payloads):
                 if payload is not None:
                     self._pending[block_hash] = payload
-            flags.append(int(payload is not None))
-        return flags
+            todo = todo[len(payloads):]
+        return [int(block_hash in self._pending) for block_hash, _ in items]
 
     def step(self, stores, loads, touches) -> None:
         """Stores first (this very step may reuse those blocks), then the driver's LRU touches, then loads."""
