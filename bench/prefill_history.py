@@ -1,14 +1,17 @@
 """paged_prefill_attention over a long cached history (a chat turn's prefill, issue 48): CPU time per call.
 
 The shape of a turn-10 SmolLM2 chat prefill: --queries new tokens after --context cached ones, 9 query / 3 KV
-heads x 64, block 16, fp32 (--dtype bfloat16: a 16-bit cache), 1 thread. With --against DIR it compares two
-builds of the extension: DIR holds another kvpage package (a copy of python/kvpage with its own _C .so);
-paired rounds alternate which build runs first, each in its own process, and report the per-round ratios
-(against / this tree) that a loaded machine skews least. Alone, it also times the op's two matrix products as
-dense fp32 GEMMs (torch.bmm, MKL's sgemm: each KV head's query rows against all the keys, no softmax, mask or
-paging): an op near their time runs its products at the speed of the CPU's best fp32 GEMM library.
+heads x 64, block 16, fp32 (--dtype bfloat16: a 16-bit cache under a float32 query, as a float32 model with
+kv_cache_dtype="bfloat16" runs it; with --query-dtype bfloat16 too: a bfloat16 query and output, as a bfloat16
+model runs it), 1 thread. With --against DIR it compares two builds of the extension: DIR holds another kvpage
+package (a copy of python/kvpage with its own _C .so); paired rounds alternate which build runs first, each in its
+own process, and report the per-round ratios (against / this tree) that a loaded machine skews least. Alone, it
+also times the op's two matrix products as dense GEMMs in the query's dtype (torch.bmm: MKL's sgemm for float32,
+oneDNN for bfloat16; each KV head's query rows against all the keys, no softmax, mask or paging): an op near
+their time runs its products at the speed of the CPU's best GEMM library for that dtype.
 
     python bench/prefill_history.py [--context 1300] [--queries 130] [--dtype float32] [--calls 40]
+    python bench/prefill_history.py --dtype bfloat16 --query-dtype bfloat16   # a bfloat16 model's prefill
     python bench/prefill_history.py --against /tmp/old_pkg --rounds 6
     python bench/prefill_history.py --quick   # a smoke run: tiny shapes, one paired round of this tree against itself
 """
@@ -38,7 +41,7 @@ def time_op(args) -> float:
     key_cache, value_cache = (torch.randn(num_blocks + 7, kv_heads, block_size, head_size, generator=gen).to(dtype)
                               for _ in range(2))
     tables = torch.randperm(num_blocks + 7, generator=gen)[:num_blocks].to(torch.int32).view(1, -1)
-    query = torch.randn(args.queries, heads, head_size, generator=gen)
+    query = torch.randn(args.queries, heads, head_size, generator=gen).to(getattr(torch, args.query_dtype))
     starts = torch.tensor([0, args.queries], dtype=torch.int32)
     seq_lens = torch.tensor([seq_len], dtype=torch.int32)
     out = torch.empty_like(query)
@@ -59,8 +62,8 @@ def op_flops(args) -> int:
 
 
 def time_gemms(args) -> float:
-    """Median CPU seconds of the same products as dense fp32 GEMMs: scores = q k^T, out = scores v, each KV
-    head's group of query heads stacked as rows (the op's GQA rows), 1 thread."""
+    """Median CPU seconds of the same products as dense GEMMs in the query's dtype: scores = q k^T, out = scores v,
+    each KV head's group of query heads stacked as rows (the op's GQA rows), 1 thread."""
     import torch
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -68,6 +71,7 @@ def time_gemms(args) -> float:
     q = torch.randn(KV_HEADS, rows, HEAD_SIZE, generator=gen)
     k_t = torch.randn(KV_HEADS, HEAD_SIZE, keys, generator=gen)
     v = torch.randn(KV_HEADS, keys, HEAD_SIZE, generator=gen)
+    q, k_t, v = (x.to(getattr(torch, args.query_dtype)) for x in (q, k_t, v))
     times = []
     for i in range(args.calls + 3):
         start = time.process_time()
@@ -81,8 +85,9 @@ def beside_gemms(args, seconds: float) -> str:
     """The op's time and rate beside its products' as dense GEMMs (timed here, in this process)."""
     gemms = time_gemms(args)
     dense = 2 * 2 * HEADS * HEAD_SIZE * args.queries * (args.context + args.queries)
-    return (f"{seconds * 1e3:.3f} ms, {op_flops(args) / seconds / 1e9:.1f} GFLOP/s; its two products as dense fp32 "
-            f"GEMMs (torch.bmm, no softmax / mask / paging): {gemms * 1e3:.3f} ms, {dense / gemms / 1e9:.1f} GFLOP/s; "
+    return (f"{seconds * 1e3:.3f} ms, {op_flops(args) / seconds / 1e9:.1f} GFLOP/s; its two products as dense "
+            f"{args.query_dtype} GEMMs (torch.bmm, no softmax / mask / paging): {gemms * 1e3:.3f} ms, "
+            f"{dense / gemms / 1e9:.1f} GFLOP/s; "
             f"op / GEMMs {seconds / gemms:.2f}")
 
 
@@ -97,6 +102,8 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1300)
     parser.add_argument("--queries", type=int, default=130)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--query-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the query's (and output's) dtype; bfloat16 needs --dtype bfloat16 (a bfloat16 model)")
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--against", default=None, help="directory holding another build's kvpage package")
     parser.add_argument("--rounds", type=int, default=6)
@@ -104,6 +111,8 @@ def main(argv=None):
                         help="a smoke run: tiny shapes, one paired round of this tree against itself")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.query_dtype == "bfloat16" and args.dtype != "bfloat16":
+        parser.error("--query-dtype bfloat16 needs --dtype bfloat16 (a 16-bit query reads a cache of its own dtype)")
     if args.quick:
         args.context, args.queries, args.calls, args.rounds = 64, 16, 3, 1
         args.against = args.against or str(ROOT / "python")
@@ -114,7 +123,7 @@ def main(argv=None):
         print(beside_gemms(args, time_op(args)))
         return
     child_argv = [f"--context={args.context}", f"--queries={args.queries}", f"--dtype={args.dtype}",
-                  f"--calls={args.calls}"]
+                  f"--query-dtype={args.query_dtype}", f"--calls={args.calls}"]
     builds = {"this tree": str(ROOT / "python"), "against": args.against}
     ratios, this_tree = [], []
     for r in range(args.rounds):
