@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .chat_tokens import encode_chat_text
 from .sampling_params import SamplingParams, check_encodable
 
 
@@ -74,7 +75,7 @@ def chat_template_prompt(tokenizer, conversation: list[dict], chat_template: str
                                              chat_template=chat_template)
     except TemplateError as e:  # a broken template, or its raise_exception (roles out of order, ...)
         raise ValueError(f"chat_template: {type(e).__name__}: {e}") from None
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return text, encode_chat_text(tokenizer, text)  # == tokenizer.encode(text, add_special_tokens=False)
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
