@@ -1,5 +1,7 @@
 // Argument validation shared by every backend. Failures raise Python ValueError / TypeError
 // naming the argument (TORCH_CHECK_VALUE / TORCH_CHECK_TYPE), never undefined behaviour.
+// Defined in checks.cpp (what every op's checks build on), attention_checks.cpp (the attention ops')
+// and cache_op_checks.cpp (the cache ops': write, copy, swap).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,6 +32,12 @@ struct CacheShape {
 
 // Validates one (key_cache, value_cache) pair and returns its shape.
 CacheShape check_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// A compute tensor's dtype (query, key or value, called `name`) against the cache's: the same, any of
+// float32 / float16 / bfloat16 over an fp8 cache, or (float32_over_16bit) float32 over a float16 /
+// bfloat16 cache. cache_name words the cache in the error ("key_cache", "the cache").
+void check_compute_dtype(const at::Tensor& t, const char* name, const at::Tensor& key_cache, const char* cache_name,
+                         bool float32_over_16bit);
 
 // query/out [num_tokens, num_heads, head_size] against a cache; returns num_heads / num_kv_heads.
 // float32_over_16bit: the backend computes float32 over a float16 / bfloat16 cache (the CPU one does;
@@ -95,6 +103,7 @@ inline int64_t block_bytes(const at::Tensor& t) {
 // Everything else checked here reads metadata only (shape, dtype, device, strides): always on.
 // Each run of one counts in range_checks_run(), so tests can see that a switched-off op ran none.
 int64_t range_checks_run();
+void count_range_check();  // each range check calls it once per run
 
 // An attention op's range checks: query_start_loc (prefill's, null for decode's one query per
 // sequence) non-decreasing from 0 to num_tokens with each q_len <= seq_len, seq_lens in [min_len,

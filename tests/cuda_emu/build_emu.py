@@ -23,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 RUNTIME = HERE / "runtime"
+# The argument checks the CUDA ops share with the CPU backend (csrc/checks.h).
+CHECKS = [CSRC / name for name in ("checks.cpp", "attention_checks.cpp", "cache_op_checks.cpp")]
 NAME = "kvpage_cuda_emu"
 
 LAUNCH = re.compile(r"\b([A-Za-z_]\w*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(")
@@ -101,9 +103,9 @@ def stage_sources(src_dir):
     """Copies csrc into src_dir (rewritten); returns the translation units to compile."""
     units = []
     (src_dir / "cuda").mkdir(parents=True, exist_ok=True)
-    for path in [*CSRC.glob("*.h"), CSRC / "checks.cpp"]:
+    for path in [*CSRC.glob("*.h"), *CHECKS]:
         _write_if_changed(src_dir / path.name, path.read_text())
-    units.append(src_dir / "checks.cpp")
+    units += [src_dir / path.name for path in CHECKS]
     for path in sorted((CSRC / "cuda").iterdir()):
         text = path.read_text()
         if path.suffix in (".cu", ".cuh"):
@@ -126,7 +128,7 @@ def stage_sources(src_dir):
 
 def source_digest():
     h = hashlib.sha256()
-    for path in sorted([*CSRC.glob("*.h"), CSRC / "checks.cpp", *(CSRC / "cuda").iterdir(),
+    for path in sorted([*CSRC.glob("*.h"), *CHECKS, *(CSRC / "cuda").iterdir(),
                         *RUNTIME.rglob("*"), Path(__file__)]):
         if path.is_file():
             h.update(path.name.encode())
