@@ -3,8 +3,10 @@ same ids as encoding the chat template's text whole, for the default model's tok
 for tokenizers built here; tokenizers whose pieces are not independent get no piecewise encoder."""
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -138,6 +140,16 @@ def test_cache_stays_within_its_bounds_and_answers_stay_exact(tokenizer, monkeyp
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
         assert encoder._cached_chars <= max_chars and len(encoder._cache) <= max_pieces
     assert encoder.misses > 0 and encoder.hits > 0
+
+
+def test_encoder_does_not_keep_its_tokenizer_alive():
+    fast = _fast(_trained(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()))
+    assert encode_chat_text(fast, "<|im_start|>user hi<|im_end|>") == fast.encode("<|im_start|>user hi<|im_end|>",
+                                                                              add_special_tokens=False)
+    gone = weakref.ref(fast)
+    del fast
+    gc.collect()
+    assert gone() is None
 
 
 def test_threads_share_one_encoder(tokenizer):

@@ -37,7 +37,9 @@ class SegmentEncoder:
     pool calls it from several threads."""
 
     def __init__(self, tokenizer, added: dict[str, int], max_cached_chars: int = MAX_CACHED_CHARS) -> None:
-        self.tokenizer = tokenizer
+        # Weakly: encode_chat_text keeps encoders in a WeakKeyDictionary by tokenizer, which a strong reference
+        # from its value would keep alive for ever.
+        self._tokenizer = weakref.ref(tokenizer)
         self.added = added  # content -> id of every added token
         # Longest first: at one position the longest added token wins, as the tokenizer's own matching does.
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
@@ -73,15 +75,16 @@ class SegmentEncoder:
         return ids
 
     def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
+        tokenizer = self._tokenizer()
         if len(piece) > self.max_cached_chars // 4:  # one huge prompt would empty the cache
-            return self.tokenizer.encode(piece, add_special_tokens=False)
+            return tokenizer.encode(piece, add_special_tokens=False)
         with self._lock:
             ids = self._cache.get(piece)
             if ids is not None:
                 self._cache.move_to_end(piece)
                 self.hits += 1
                 return ids
-        ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False))
+        ids = tuple(tokenizer.encode(piece, add_special_tokens=False))
         with self._lock:
             self.misses += 1
             if piece not in self._cache:
