@@ -127,6 +127,8 @@ PYBIND11_MODULE(_C, m) {
         "Instruction set the CPU kernels run with");
   m.def("set_cpu_isa", &kvpage::cpu::set_isa, "Force the CPU kernel ISA ('avx512', 'avx2' or 'generic')");
   m.def("available_cpu_isas", &kvpage::cpu::available_isas);
+  m.def("amx_attention_active", &kvpage::cpu::amx_attention_active,
+        "Whether a bf16 query's prefill attention over a bf16 cache runs on AMX tiles (the avx512 kernels here)");
   m.def("bf16_dot_available", &kvpage::cpu::bf16_dot_available,
         "Whether packed_linear takes pair-interleaved bf16 slabs (AVX512-BF16 dot products) here");
   m.attr("linear_slab_columns") = kvpage::cpu::kSlabColumns;

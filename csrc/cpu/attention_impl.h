@@ -53,6 +53,9 @@ struct Scratch {
   float* score;  // [rows, chunk], or [chunk, rp] on the wide path
   float* kbuf;   // [chunk, head_size] fp32 copy of K for 16-bit and fp8 caches
   float* vbuf;   // [chunk, head_size]
+  float* amx;    // the AMX layout's bf16 operand tiles (attention_amx.h; none outside its build)
+  int64_t chunk;      // chunk_tokens
+  float score_scale;  // what the AMX layout's scores take (its query is loaded unscaled)
 };
 
 // Rows rounded up to whole vectors of the wide path's lanes (attention_wide.h): its row padding.
@@ -63,9 +66,11 @@ constexpr int64_t kRowLanes = 8;
 #endif
 int64_t round_up_rows(int64_t rows) { return (rows + kRowLanes - 1) / kRowLanes * kRowLanes; }
 
+int64_t amx_scratch_floats(int64_t rp, int64_t d, int64_t chunk);
+
 int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
   const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
-  return 3 * rp * d + 4 * rp + rp * c + 2 * c * d + 16;
+  return 3 * rp * d + 4 * rp + rp * c + 2 * c * d + 16 + amx_scratch_floats(rp, d, c);
 }
 
 Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
@@ -81,6 +86,9 @@ Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
   s.score = s.alpha + rp;
   s.kbuf = s.score + rp * c;
   s.vbuf = s.kbuf + c * d;
+  s.amx = s.vbuf + c * d;
+  s.chunk = c;
+  s.score_scale = 1.f;
   return s;
 }
 
@@ -206,6 +214,27 @@ struct RowScores {
 };
 
 #include "attention_wide.h"
+#include "attention_amx.h"
+
+// Floats of scratch the AMX layout takes: none outside its build.
+int64_t amx_scratch_floats(int64_t rp, int64_t d, int64_t chunk) {
+#if defined(KVPAGE_AMX_ATTENTION)
+  return amx_scratch_dwords(rp, d, chunk);
+#else
+  (void)rp, (void)d, (void)chunk;
+  return 0;
+#endif
+}
+
+// Whether rows take the AMX layout (a bf16 prefill tile in the AMX build).
+bool takes_amx(const AttentionArgs& a, const RowSet& rs) {
+#if defined(KVPAGE_AMX_ATTENTION)
+  return takes_amx_path(a, rs);
+#else
+  (void)a, (void)rs;
+  return false;
+#endif
+}
 
 // Attends every row to tokens [begin, end) of one KV head, a chunk at a time, with scores laid out
 // by Layout. begin is block aligned. kD is the head size when it is one of the common ones (0:
@@ -262,6 +291,9 @@ constexpr int64_t kInPlaceRows = 4;
 template <int kD>
 void attend_rows(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Scratch& s,
                  TilePrefetcher& pf) {
+#if defined(KVPAGE_AMX_ATTENTION)
+  if (takes_amx_path(kv.a, rs)) return attend_d<kD, AmxBf16Scores, Bf16Bits>(kv, rs, begin, end, s, pf);
+#endif
 #if defined(KVPAGE_WIDE_ATTENTION)
   if (takes_wide_path(rs)) return attend_d<kD, WideScores>(kv, rs, begin, end, s, pf);
 #endif
@@ -285,11 +317,13 @@ void attend(const KVSource& kv, const RowSet& rs, int64_t begin, int64_t end, Sc
   }
 }
 
-// Loads query heads [head0, head0 + group) of token `token` into rows [row0, row0 + group).
+// What a query row is multiplied by before its dot products: the scale, and an fp8 key's unit.
+float query_factor(const AttentionArgs& a) { return a.scale * cache_unit(a, a.k_scale); }
+
+// Loads query heads [head0, head0 + group) of token `token` into rows [row0, row0 + group), times factor.
 void load_query(const AttentionArgs& a, int64_t token, int64_t head0, int64_t group, int64_t row0,
-                Scratch& s) {
+                Scratch& s, float factor) {
   const int64_t d = a.head_size;
-  const float factor = a.scale * cache_unit(a, a.k_scale);
   for (int64_t g = 0; g < group; ++g) {
     const int64_t elem = token * a.q_token_stride + (head0 + g) * a.q_head_stride;
     float* q = s.q + (row0 + g) * d;
@@ -373,7 +407,7 @@ void decode_item(const AttentionArgs& a, const DecodePlan& p, int64_t part, int6
   const int64_t seq = r.seq, begin = r.begin, end = r.end, seq_len = a.seq_lens[seq];
   const int64_t num_parts = p.part_offset[seq + 1] - p.part_offset[seq];
   Scratch s = carve(a, group, scratch);
-  load_query(a, seq, kv_head * group, group, 0, s);
+  load_query(a, seq, kv_head * group, group, 0, s, query_factor(a));
   const KVSource kv(a, seq, kv_head);
   // The next item, when this thread runs it: prefetching another core's tiles only costs this one.
   // (before_next implies a next item exists.)
@@ -427,8 +461,13 @@ void prefill_item(const AttentionArgs& a, const PrefillPlan& p, int64_t tile, in
   const int64_t tok0 = q_start + (tile - p.tile_offset[seq]) * p.tile_tokens;
   const int64_t ntok = imin(p.tile_tokens, q_start + q_len - tok0);
   Scratch s = carve(a, ntok * group, scratch);
-  for (int64_t i = 0; i < ntok; ++i) load_query(a, tok0 + i, kv_head * group, group, i * group, s);
   const RowSet rows{ntok * group, group, context + (tok0 - q_start), a.window, a.softcap};
+  // The AMX layout takes the bf16 query as it is (exact) and scales its fp32 scores instead.
+  const bool unscaled = takes_amx(a, rows);
+  if (unscaled) s.score_scale = query_factor(a);
+  for (int64_t i = 0; i < ntok; ++i) {
+    load_query(a, tok0 + i, kv_head * group, group, i * group, s, unscaled ? 1.f : query_factor(a));
+  }
   const KVSource kv(a, seq, kv_head);
   // From the block of the first key the tile's first query's window reaches, to its last query.
   const int64_t begin = window_begin(a, rows.first_pos), end = rows.limit(rows.rows - 1) + 1;

@@ -2,6 +2,11 @@
 
 #include <c10/util/Exception.h>
 #include <cstdlib>
+#if defined(KVPAGE_HAVE_AMX)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace kvpage {
 namespace cpu {
@@ -26,13 +31,46 @@ bool cpu_has_avx512() {
 #endif
 }
 
+// AMX-BF16 tiles (and AVX512-BF16, which the AMX build's bf16 conversions use), enabled by the OS in XCR0
+// and granted to this process: Linux hands the tile data state (XTILEDATA, 18) only to a process that
+// asks (ARCH_REQ_XCOMP_PERM), once; a kernel that refuses keeps the plain avx512 kernels.
+bool cpu_has_amx() {
+#if defined(KVPAGE_HAVE_AMX)
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!cpu_has_avx512() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx = (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, AMX-TILE
+    if (!amx || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax >> 5 & 1)) return false;  // AVX512-BF16
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo >> 17 & 3) != 3) return false;  // XTILECFG and XTILEDATA
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+const KernelTable* avx512_table() {
+#if defined(KVPAGE_HAVE_AMX)
+  if (cpu_has_amx()) return &avx512_amx_kernels();
+#endif
+#if defined(KVPAGE_HAVE_AVX512)
+  return &avx512_kernels();
+#else
+  return nullptr;
+#endif
+}
+
 const KernelTable* by_name(const std::string& name) {
   if (name == "generic") return &generic_kernels();
 #if defined(KVPAGE_HAVE_AVX2)
   if (name == "avx2" && cpu_has_avx2()) return &avx2_kernels();
 #endif
 #if defined(KVPAGE_HAVE_AVX512)
-  if (name == "avx512" && cpu_has_avx512()) return &avx512_kernels();
+  if (name == "avx512" && cpu_has_avx512()) return avx512_table();
 #endif
   return nullptr;
 }
@@ -67,6 +105,14 @@ void set_isa(const std::string& name) {
   const KernelTable* table = by_name(name);
   TORCH_CHECK_VALUE(table != nullptr, "isa '", name, "' is not available on this CPU");
   current.store(table);
+}
+
+bool amx_attention_active() {
+#if defined(KVPAGE_HAVE_AMX)
+  return &active_kernels() == &avx512_amx_kernels();
+#else
+  return false;
+#endif
 }
 
 std::vector<std::string> available_isas() {

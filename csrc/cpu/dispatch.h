@@ -21,6 +21,9 @@ namespace cpu {
 const KernelTable& active_kernels();
 void set_isa(const std::string& name);
 std::vector<std::string> available_isas();
+// Whether the active kernels run a bf16 query's prefill attention over a bf16 cache on AMX tiles
+// (attention_amx.h): the avx512 kernels, on a CPU with AMX-BF16 whose OS grants the tile state.
+bool amx_attention_active();
 // Whether packed_linear can take pair-interleaved bf16 slabs (bf16 dot products): the avx512 kernels
 // are active and the CPU has AVX512-BF16 (linear_ops.cpp).
 bool bf16_dot_available();

@@ -125,6 +125,9 @@ const KernelTable& avx2_kernels();
 #if defined(KVPAGE_HAVE_AVX512)
 const KernelTable& avx512_kernels();
 #endif
+#if defined(KVPAGE_HAVE_AMX)
+const KernelTable& avx512_amx_kernels();  // avx512's, with AMX prefill attention (isa_avx512_amx.cpp)
+#endif
 
 }  // namespace cpu
 }  // namespace kvpage
