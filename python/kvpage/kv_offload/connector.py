@@ -45,7 +45,9 @@ class KVConnectorMeta:
     """One step's work for the worker: stores first (their device blocks may be reused by this very
     step), then loads, then the step's own swaps, copies and forward pass."""
 
-    loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, payload)
+    # (device block, payload): verified bytes, or a disk tier's DiskBlock (header and key verified; its payload is
+    # read and checked by the worker's load, which raises KVLoadError where that fails).
+    loads: list[tuple[int, object]] = field(default_factory=list)
     stores: list[tuple[bytes, BlockKey, int]] = field(default_factory=list)  # (block hash, key, device block)
     # Each load's (tier hash, key), in loads' order: under tensor parallelism every other rank loads its own
     # shard of the block from its own tier (kv_offload.tp), already verified when the scheduler matched it.
@@ -98,7 +100,7 @@ class OffloadingConnector(KVConnectorBase):
         self.load_cost = LoadCost()
         # The payloads the last lookup of each sequence verified (read once, loaded after allocation).
         self._matched: dict[int, _Match] = {}
-        self._loads: list[tuple[int, bytes]] = []
+        self._loads: list[tuple[int, object]] = []
         self._load_keys: list[tuple[bytes, BlockKey]] = []  # each load's (tier hash, key): other TP ranks' reads
         self._touches: list[bytes] = []  # tier entries the pool's LRU used again (other TP ranks' LRUs follow)
         # verify_remote(epoch, [(tier hash, key)]) -> [bool]: under tensor parallelism, whether every other rank
