@@ -142,8 +142,7 @@ class StepPlanner:
         # [kv tier] num_external_tokens: a window group gets no block for loaded positions outside its window
         if not self.bm.can_allocate(seq, ext + n, use_cache, num_external_tokens=ext):
             return False
-        # [kv tier] a re-admission after preemption is no new prefix-cache query
-        cached = self.bm.allocate(seq, ext + n, use_cache, count_hits=request.num_preemptions == 0,
+        cached = self.bm.allocate(seq, ext + n, use_cache, count_hits=_is_first_admission(request),
                                   num_external_tokens=ext)
         if ext:  # [kv tier]
             cached += self._load_external(request, seq, cached, ext)
@@ -198,3 +197,10 @@ class StepPlanner:
         self._scheduled_seqs.add(seq.seq_id)
         if request.first_scheduled_step < 0:
             request.first_scheduled_step = self.step
+
+
+def _is_first_admission(request: Request) -> bool:
+    """Whether this admission queries the prefix cache for the statistics: only a request's first. A re-admission
+    after recompute preemption, or after a step that failed (Scheduler.recover requeues its requests; a KV tier
+    load that failed, KVLoadError, among them) is no new query: num_cached_tokens, set at the first, stays."""
+    return request.num_cached_tokens < 0
