@@ -161,3 +161,18 @@ def test_a_vanishing_top_p_or_temperature_is_greedy(llm, params):
     got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == greedy.token_ids
     assert math.isclose(got.cumulative_logprob, greedy.cumulative_logprob, abs_tol=1e-3)
+
+
+def test_a_requeued_request_is_queried_in_the_prefix_cache_once(llm, monkeypatch):
+    """A request requeued by a failed step (Scheduler.recover) is re-admitted: no new prefix-cache query, as
+    after recompute preemption (scheduler_planner._is_first_admission), so the queried tokens are each prompt's
+    once and the hits agree with the requests' num_cached_tokens."""
+    before = llm.stats()
+    prompts = PROMPTS[2:5]
+    outputs, failures = _engine_run(llm, prompts, [GREEDY] * len(prompts), frozenset({1, 2}), monkeypatch=monkeypatch)
+    stats = llm.stats()
+    assert failures == 2
+    queried = stats["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
+    assert queried == sum(len(o.prompt_token_ids) for o in outputs)
+    hits = stats["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    assert hits == sum(o.num_cached_tokens for o in outputs)

@@ -163,3 +163,15 @@ def test_prefix_cache_counts_each_request_once_across_failed_loads(base, tmp_pat
     assert failures
     assert stats["prefix_cache_queried_tokens"] == sum(len(o.prompt_token_ids) for o in outputs)
     assert stats["prefix_cache_hit_tokens"] == sum(o.num_cached_tokens for o in outputs)
+
+
+def test_failed_loads_behind_a_device_pool(base, reference, tmp_path):
+    """The worker's path for a pool that is not CPU memory (no host views): a DiskBlock is read whole and verified
+    at load time (DiskTier.read), a failing one raising KVLoadError as load_into's does."""
+    llm = engine(base, kv_offloading_dir=str(tmp_path))
+    llm.llm_engine.runner._host_views = None
+    read, reads = llm.llm_engine.kv_connector.tier.read, []
+    llm.llm_engine.kv_connector.tier.read = lambda block: (reads.append(block), read(block))[1]
+    failures = watch_recoveries(llm)
+    assert two_waves(llm, GREEDY) == reference("greedy")
+    assert failures and reads
