@@ -20,13 +20,16 @@
 #if defined(KVPAGE_AMX) && defined(KVPAGE_WIDE_ATTENTION) && defined(__AMX_BF16__)
 #define KVPAGE_AMX_ATTENTION 1
 
-// Whether a set of rows takes the tile products: a bf16 query over a bf16 cache, head sizes of whole
-// 32-element tiles, blocks of whole 16-token tiles, and a prefill tile of more than one token with at
-// least one 16-row tile (decode's GQA groups stream their K/V once: reading it, not the math, sets
-// their pace).
-inline bool takes_amx_path(const AttentionArgs& a, const RowSet& rs) {
+// Whether an op's arguments suit the tile products: a bf16 query over a bf16 cache, head sizes of whole
+// 32-element tiles, blocks of whole 16-token tiles.
+inline bool amx_dtypes(const AttentionArgs& a) {
   return a.dtype == DType::kBFloat16 && a.cache_dtype == DType::kBFloat16 && a.head_size % 32 == 0 &&
-         a.head_size <= 256 && a.block_size % 16 == 0 && rs.rows >= 16 && rs.rows > rs.group;
+         a.head_size <= 256 && a.block_size % 16 == 0;
+}
+// Whether a set of rows takes them: a prefill tile of more than one token with at least one 16-row tile
+// (decode's GQA groups stream their K/V once: reading it, not the math, sets their pace).
+inline bool takes_amx_path(const AttentionArgs& a, const RowSet& rs) {
+  return amx_dtypes(a) && rs.rows >= 16 && rs.rows > rs.group;
 }
 
 // Palette 1, all eight tiles 16 rows x 64 bytes (16 x 16 fp32, or 16 x 32 bf16 = 16 x 16 pairs).

@@ -66,11 +66,11 @@ constexpr int64_t kRowLanes = 8;
 #endif
 int64_t round_up_rows(int64_t rows) { return (rows + kRowLanes - 1) / kRowLanes * kRowLanes; }
 
-int64_t amx_scratch_floats(int64_t rp, int64_t d, int64_t chunk);
+int64_t amx_scratch_floats(const AttentionArgs& a, int64_t rp, int64_t d, int64_t chunk);
 
 int64_t scratch_floats(const AttentionArgs& a, int64_t rows) {
   const int64_t d = a.head_size, c = chunk_tokens(a), rp = round_up_rows(rows);
-  return 3 * rp * d + 4 * rp + rp * c + 2 * c * d + 16 + amx_scratch_floats(rp, d, c);
+  return 3 * rp * d + 4 * rp + rp * c + 2 * c * d + 16 + amx_scratch_floats(a, rp, d, c);
 }
 
 Scratch carve(const AttentionArgs& a, int64_t rows, float* base) {
@@ -216,12 +216,13 @@ struct RowScores {
 #include "attention_wide.h"
 #include "attention_amx.h"
 
-// Floats of scratch the AMX layout takes: none outside its build.
-int64_t amx_scratch_floats(int64_t rp, int64_t d, int64_t chunk) {
+// Floats of scratch the AMX layout takes: none outside its build, nor for dtypes it does not run (every
+// op call's workers allocate and zero their scratch).
+int64_t amx_scratch_floats(const AttentionArgs& a, int64_t rp, int64_t d, int64_t chunk) {
 #if defined(KVPAGE_AMX_ATTENTION)
-  return amx_scratch_dwords(rp, d, chunk);
+  return amx_dtypes(a) ? amx_scratch_dwords(rp, d, chunk) : 0;
 #else
-  (void)rp, (void)d, (void)chunk;
+  (void)a, (void)rp, (void)d, (void)chunk;
   return 0;
 #endif
 }
