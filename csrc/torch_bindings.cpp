@@ -170,6 +170,13 @@ PYBIND11_MODULE(_C, m) {
         "Whether crc32c runs on SSE4.2's crc32 instruction (else the portable loop) with the current ISA");
   m.def("range_checks_run", &kvpage::range_checks_run,
         "How many range checks (the checks that read index data) the ops have run in this process");
+  // Whether CMake compiled the AMX translation unit (isa_avx512_amx.cpp: the compiler took -mamx-tile
+  // -mamx-bf16 -mavx512bf16): without it amx_attention_active is false on any CPU.
+#ifdef KVPAGE_HAVE_AMX
+  m.attr("built_with_amx") = true;
+#else
+  m.attr("built_with_amx") = false;
+#endif
 #ifdef KVPAGE_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

@@ -31,11 +31,11 @@ bool cpu_has_avx512() {
 #endif
 }
 
+#if defined(KVPAGE_HAVE_AMX)
 // AMX-BF16 tiles (and AVX512-BF16, which the AMX build's bf16 conversions use), enabled by the OS in XCR0
 // and granted to this process: Linux hands the tile data state (XTILEDATA, 18) only to a process that
 // asks (ARCH_REQ_XCOMP_PERM), once; a kernel that refuses keeps the plain avx512 kernels.
 bool cpu_has_amx() {
-#if defined(KVPAGE_HAVE_AMX)
   static const bool usable = [] {
     unsigned eax, ebx, ecx, edx;
     if (!cpu_has_avx512() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
@@ -48,10 +48,8 @@ bool cpu_has_amx() {
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
   }();
   return usable;
-#else
-  return false;
-#endif
 }
+#endif
 
 const KernelTable* avx512_table() {
 #if defined(KVPAGE_HAVE_AMX)

@@ -1,13 +1,16 @@
 """paged_prefill_attention of a bfloat16 query over a bfloat16 cache (a bfloat16 model's prefill) against
-reference.paged_prefill_attention, under every CPU kernel ISA: where the CPU has AMX-BF16 (and the OS grants
-the tile state) the avx512 kernels run it on AMX tiles (csrc/cpu/attention_amx.h), elsewhere, and under
-generic / avx2, the widening FMA kernels do; each test asserts which path it ran.
+reference.paged_prefill_attention, under every CPU kernel ISA: where the CPU has AMX-BF16, the kernel grants the
+tile state and the build has the AMX translation unit, the avx512 kernels run it on AMX tiles
+(csrc/cpu/attention_amx.h); elsewhere, and under generic / avx2, the widening FMA kernels do. Each test asserts
+which path it ran, against an expectation the test derives itself (amx_expected), not the extension's own.
 
 Tolerance: the bfloat16 one of tolerances.py (2e-2). The tile products multiply the bf16 operands exactly
 and sum in fp32, as the reference's fp32 products of the same values do; the probabilities are rounded to
 bf16 for the values' product (as FlashAttention does), a relative 2^-9 per probability, far inside the output's
 own bf16 rounding (2^-8) and the 2e-2; the log-sum-exps come from the fp32 scores and sums, checked at the
 fp32 LSE tolerance."""
+import functools
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from kvpage import ops
 from kvpage.ops import reference
 from paged_data import (distinct_block_tables, generator, int32, poison_unused_slots, query_start_loc,
                         random_block_tables, random_kv_cache, randn)
+import tile_permission
 from tolerances import assert_attention_close, assert_lse_close
 
 DTYPE = torch.bfloat16
@@ -29,17 +33,32 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+# Asked once per test session (in a fresh process).
+kernel_grants_tiles = functools.cache(tile_permission.kernel_grants_tiles)
+
+
 def amx_expected(isa: str) -> bool:
-    """Where the AMX path must run: the avx512 kernels on a CPU with AMX-BF16, AMX-TILE and AVX512-BF16 (Linux
-    grants the tile state to any process that asks, since 5.16)."""
-    return isa == "avx512" and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+    """Where the AMX path must run: the avx512 kernels, on a CPU with AMX-BF16, AMX-TILE and AVX512-BF16, whose
+    kernel grants the tile state, in an extension compiled with the AMX translation unit (CMake leaves it out
+    where the compiler lacks -mamx-tile -mamx-bf16 -mavx512bf16: _C.built_with_amx)."""
+    return isa == "avx512" and cpu_has_amx() and kernel_grants_tiles() and kvpage._C.built_with_amx
+
+
+def cpu_has_amx() -> bool:
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
 
 
 @pytest.fixture
 def attention_path(cpu_isa):
-    """The path a bf16 prefill takes under this ISA ("amx" or the ISA's FMA kernels), checked against the CPU."""
+    """The path a bf16 prefill takes under this ISA ("amx" or the ISA's FMA kernels), checked against
+    amx_expected."""
     active = kvpage._C.amx_attention_active()
-    assert active == amx_expected(cpu_isa), f"AMX attention active: {active} under {cpu_isa}"
+    expected = amx_expected(cpu_isa)
+    assert active == expected, (f"AMX attention active: {active} under {cpu_isa}, expected {expected} (CPU has "
+                                f"AMX-BF16/AMX-TILE/AVX512-BF16: {cpu_has_amx()}, kernel grants the tiles: "
+                                f"{kernel_grants_tiles()}, built with AMX: {kvpage._C.built_with_amx})")
+    # The test process never asks for the tiles itself: the extension must have (dispatch.cpp).
+    assert not active or tile_permission.tiles_permitted(), "AMX attention active but the tile state was never requested"
     path = "amx" if active else cpu_isa
     print(f"bf16 prefill attention path: {path}")
     return path
