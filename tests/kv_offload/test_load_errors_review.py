@@ -67,8 +67,8 @@ def watch_recoveries(llm) -> list[list[int]]:
             failures.append(error.block_ids)
             raise
 
-    def checked_recompute():
-        recompute()
+    def checked_recompute(error):
+        recompute(error)
         bm = e.scheduler.bm
         check_block_manager(bm, e.scheduler.sequences())
         for block_id in failures[-1]:
@@ -153,7 +153,8 @@ def test_tp2_a_failed_load_on_the_driver(tmp_path):
 def test_prefix_cache_counts_each_request_once_across_failed_loads(base, tmp_path):
     """As test_engine_tier.test_cache_hits_count_first_admissions_only, with failed loads: a request requeued by
     the recovered step is re-admitted, which is no new prefix-cache query (scheduler_planner._is_first_admission),
-    so queried tokens are each request's prompt once and hits agree with the requests' num_cached_tokens."""
+    so queried tokens are each request's prompt once and hits agree with the requests' num_cached_tokens; the
+    tier counts only what it loaded into a step that ran (OffloadingConnector.on_load_failed)."""
     llm = engine(base, kv_offloading_dir=str(tmp_path))
     failures = watch_recoveries(llm)
     outputs = list(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -163,6 +164,8 @@ def test_prefix_cache_counts_each_request_once_across_failed_loads(base, tmp_pat
     assert failures
     assert stats["prefix_cache_queried_tokens"] == sum(len(o.prompt_token_ids) for o in outputs)
     assert stats["prefix_cache_hit_tokens"] == sum(o.num_cached_tokens for o in outputs)
+    read = llm.llm_engine.kv_connector.tier.stats.read_blocks  # blocks whose load succeeded, in any step
+    assert stats["kv_offload_loaded_blocks"] <= read and stats["kv_offload_hit_tokens"] <= read * 4  # block_size 4
 
 
 def test_failed_loads_behind_a_device_pool(base, reference, tmp_path):

@@ -39,6 +39,7 @@ class StepPlanner:
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(self.step, finished_request_ids=self._finished_ids)
         self._scheduled, self._scheduled_seqs = set(), set()
+        self._external_hits: list[tuple[Request, int]] = []  # [kv tier] first admissions' tier hits this step
         self.bm.begin_step()
         if self.kv_connector is not None:  # [kv tier]
             self.kv_connector.begin_step()
@@ -159,8 +160,19 @@ class StepPlanner:
         bs = self.bm.block_size
         blocks = seq.block_table[start // bs:(start + ext) // bs]
         self.kv_connector.update_state_after_alloc(seq, blocks, is_recompute=request.num_cached_tokens >= 0)
+        if request.num_cached_tokens < 0:  # counted as cached tokens below, until the load fails
+            self._external_hits.append((request, ext))
         self.bm.mark_computed(seq, ext)
         return ext
+
+    def undo_external_hits(self) -> None:
+        """[kv tier] The step's tier load failed (KVLoadError; the engine recovers the step): the tokens its
+        first admissions counted as loaded from the tier were never loaded, so they leave num_cached_tokens
+        (their usage cached_tokens; the connector drops its own count, OffloadingConnector.on_load_failed). The
+        retry is no first admission (_is_first_admission) and counts nothing more."""
+        for request, ext in self._external_hits:
+            request.num_cached_tokens -= ext
+        self._external_hits = []
 
     def _append(self, request: Request, seq: Sequence, n: int, out: SchedulerOutput, budget: Budget) -> None:
         self._open.touch(request)

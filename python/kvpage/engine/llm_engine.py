@@ -143,8 +143,8 @@ class LLMEngine(RequestIntake, OutputProcessing):
                     state.prompt_logprobs[position + 1:] = entries
                 outputs = self._process(rows)
             return outputs
-        except KVLoadError:  # [kv tier] before the forward pass: the step is recomputed, nothing is lost
-            self._recompute_failed_load()
+        except KVLoadError as error:  # [kv tier] before the forward pass: the step is recomputed, nothing is lost
+            self._recompute_failed_load(error)
             return []
         except BaseException:
             self._fail_step(out)
@@ -165,11 +165,14 @@ class LLMEngine(RequestIntake, OutputProcessing):
             self.failed_request_ids = None if out is None else sorted({s.request_id for s in out.scheduled})
             self._drop_finished()
 
-    def _recompute_failed_load(self) -> None:
+    def _recompute_failed_load(self, error: KVLoadError) -> None:
         """[kv tier] A step whose KV tier load failed (KVLoadError: a disk tier's payload gone or corrupt when
         read into its blocks, before the forward pass): its requests are requeued as by recompute preemption
-        (Scheduler.recover); the failed entries have left the tier, so the next schedule recomputes them."""
+        (Scheduler.recover); the failed entries are misses from then on, so the next schedule recomputes them,
+        and nothing of the step counts as a tier or cache hit (recomputed tokens are not cached ones)."""
         with deferred_interrupts():
+            self.kv_connector.on_load_failed(error.block_ids)
+            self.scheduler.undo_external_hits()
             self.scheduler.recover()
 
     def _drop_finished(self) -> None:

@@ -18,6 +18,7 @@ the same methods; the scheduler does not change.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,12 @@ from kvpage.core.hashing import ROOT_HASH, group_key, pack_tokens
 from kvpage.core.kv_cache_groups import NULL_BLOCK, first_kept_block
 from kvpage.core.prefix_cache import BlockKey
 from kvpage.core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# Tier hashes whose load failed, kept as misses (OffloadingConnector.on_load_failed); past this many the oldest
+# is forgotten (a file still there and still bad then costs one more recovered step).
+MAX_FAILED_LOADS = 65536
 
 
 class KVLoadError(RuntimeError):
@@ -115,6 +122,12 @@ class OffloadingConnector(KVConnectorBase):
         self.loaded_bytes = 0
         self.stored_blocks = 0  # handed to the tier (the tier's own stats say what it kept)
         self.declined_blocks = 0  # held by the tier, but recomputing them was priced cheaper than loading
+        # [failed loads] the counters before this step's schedule, and the last meta's (device block, tier hash)
+        # loads: a step whose load fails counts nothing, and its failed entries are misses from then on.
+        self._counted_before_step = (0, 0, 0)
+        self._last_loads: list[tuple[int, bytes]] = []
+        self._failed_loads: dict[bytes, None] = {}  # insertion order: the oldest is forgotten first
+        self._warned_failed_load = False
 
     def __reduce__(self):
         # The tier (its memory, files and writer thread) belongs to the process that built it: a pickled copy
@@ -167,8 +180,10 @@ class OffloadingConnector(KVConnectorBase):
         bs, first = self.block_size, match.first
 
         def held(g: int, i: int) -> bool:
-            return (g, i) in match.payloads or ((g, i) not in match.bad and
-                                                self.tier.contains(group_key(block_hash(seq, i, bs), g)))
+            if (g, i) in match.payloads:
+                return True
+            tier_hash = group_key(block_hash(seq, i, bs), g)
+            return (g, i) not in match.bad and tier_hash not in self._failed_loads and self.tier.contains(tier_hash)
 
         h = first
         full = [g for g, w in enumerate(self.sliding_windows) if w is None]
@@ -273,6 +288,7 @@ class OffloadingConnector(KVConnectorBase):
             self.tier.touch(block_hash)
             self._touches.append(block_hash)
         elif block_hash not in self._storing:
+            self._failed_loads.pop(block_hash, None)  # stored afresh: a hit again once it is written
             self._storing.add(block_hash)
             self._stores.append((block_hash, key, block_id))
 
@@ -287,6 +303,7 @@ class OffloadingConnector(KVConnectorBase):
             block_hash, key = cache.hash_of(block_id), cache.key_of(block_id)
             if block_hash is None or block_hash in self._storing or self.tier.contains(block_hash):
                 continue
+            self._failed_loads.pop(block_hash, None)  # stored afresh: a hit again once it is written
             stores.append((block_hash, key, block_id))
         if stores:
             self.save_now(stores)
@@ -296,6 +313,8 @@ class OffloadingConnector(KVConnectorBase):
         # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
         # bytes are intact until a step runs, and the next step's meta carries them.
         self._loads, self._load_keys = [], []
+        self._counted_before_step = (self.hit_tokens, self.loaded_blocks, self.loaded_bytes)
+        self._last_loads = []
         self._epoch += 1
         self._remote_verified.clear()
 
@@ -303,9 +322,31 @@ class OffloadingConnector(KVConnectorBase):
         if not self._loads and not self._stores and not self._touches:
             return None
         meta = KVConnectorMeta(self._loads, self._stores, self._load_keys, self._touches)
+        self._last_loads = [(block_id, h) for (block_id, _), (h, _) in zip(meta.loads, meta.load_keys)]
         self.stored_blocks += len(self._stores)
         self._loads, self._stores, self._storing, self._load_keys, self._touches = [], [], set(), [], []
         return meta
+
+    def on_load_failed(self, block_ids: list[int]) -> None:
+        """The last step's load failed for these device blocks (KVLoadError; the engine recomputes the step, and
+        the scheduler takes the tier hits out of its requests' num_cached_tokens): the step's loads count as no
+        hit, no loaded block or byte (what its retry loads counts then), and the failed entries are misses until
+        the pool stores them afresh (on_evict, on_step_computed). The tier drops a failed entry, but where it
+        cannot delete the file (a read-only directory, another user's file) its next lookup finds the file again,
+        which passes the match-time checks and fails its load again: without this the engine would retry that
+        step for ever."""
+        self.hit_tokens, self.loaded_blocks, self.loaded_bytes = self._counted_before_step
+        failed = set(block_ids)
+        hashes = [tier_hash for block_id, tier_hash in self._last_loads if block_id in failed]
+        if hashes and not self._warned_failed_load:
+            self._warned_failed_load = True
+            logger.warning("kvpage: KV offload: a tier load failed; its %d entries (and any that fail later) are "
+                           "misses until stored afresh (a damaged file the tier cannot delete is not loaded again)",
+                           len(hashes))
+        for tier_hash in hashes:
+            self._failed_loads[tier_hash] = None
+        while len(self._failed_loads) > MAX_FAILED_LOADS:
+            del self._failed_loads[next(iter(self._failed_loads))]
 
     def stats(self) -> dict:
         t = self.tier.stats
