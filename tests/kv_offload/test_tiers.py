@@ -340,3 +340,27 @@ def test_get_many_reads_a_file_that_grew_on_its_own(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kvpage"):
         assert tier.get_many(requests) == [p for _, _, p in items]
     assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+
+
+def test_get_many_buffer_held_by_what_is_derived_from_a_payload(tmp_path):
+    """Whatever is derived from a payload (a slice of it, a numpy array over it) keeps the read buffer from the
+    next load, as the payload itself does; once the last of them is gone, the buffer is reused."""
+    items = entries(3)
+    tier = disk(tmp_path)
+    store(tier, items)
+    requests = [(h, k) for h, k, _ in items]
+    payloads = tier.get_many(requests)
+    address = _address(payloads[0])
+    derived = np.frombuffer(payloads[1], dtype=np.uint8)[3:]
+    tail = payloads[2][1:]
+    expected = (bytes(derived), bytes(tail))
+    del payloads
+    for _ in range(2):
+        again = tier.get_many(requests)
+        assert _address(again[0]) != address
+        assert (bytes(derived), bytes(tail)) == expected
+        del again
+    del derived
+    assert _address(tier.get_many(requests)[0]) != address  # the slice still holds it
+    del tail
+    assert _address(tier.get_many(requests)[0]) == address

@@ -21,7 +21,6 @@ import os
 import queue
 import stat
 import struct
-import sys
 import threading
 import time
 from functools import cache
@@ -32,6 +31,7 @@ import numpy as np
 from kvpage.core.hashing import HASH_SIZE, group_key
 from kvpage.core.prefix_cache import BlockKey
 
+from .read_buffers import ReadBuffers
 from .tiers import _Tier
 
 logger = logging.getLogger("kvpage")
@@ -110,7 +110,7 @@ class DiskTier(_Tier):
         self._directory_str = str(self.directory)
         _check_writable(self.directory, directory)
         self._warned_write = False
-        self._arenas = _Arenas()
+        self._read_buffers = ReadBuffers()
         self.closed = False  # after close(): stores are dropped, nothing waits for the writer
         self._scan()
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
@@ -180,7 +180,7 @@ class DiskTier(_Tier):
     def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
         """As _Tier.get_many: the files the index holds up to the first miss read in one kvpage._C call (in
         parallel on the op threads, each checksummed right after its read, GIL released) into one buffer
-        (_Arenas: memory faulted in by an earlier load, not fresh pages per block), then checked in order.
+        (ReadBuffers: memory faulted in by an earlier load, not fresh pages per block), then checked in order.
         The payloads are views of that buffer."""
         held = []
         for block_hash, key in requests:
@@ -188,8 +188,9 @@ class DiskTier(_Tier):
                 break
             held.append((block_hash, key))
         sizes = [self._index.size(block_hash) or 0 for block_hash, _ in held]
-        arena = self._arenas.take(sum(sizes))
-        views = [arena.take(size) for size in sizes]
+        buffer = self._read_buffers.take(sum(sizes))
+        views = [buffer.take(size) for size in sizes]
+        buffer.release()
         reads = _extension().read_kv_files([self._file(block_hash) for block_hash, _ in held], views,
                                            [_payload_start(key) for _, key in held])
         out = []
@@ -420,62 +421,6 @@ class DiskBlock:
 
     def __len__(self) -> int:
         return self.size - self.offset
-
-
-class _Arena:
-    """One uninitialised buffer that reads are placed into, one after another (DiskTier.get_many)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._array = np.empty(nbytes, dtype=np.uint8)
-        self._used = 0
-
-    @property
-    def nbytes(self) -> int:
-        return len(self._array)
-
-    def take(self, nbytes: int) -> memoryview | None:
-        """The next nbytes of the buffer; None once they do not fit."""
-        if self._used + nbytes > len(self._array):
-            return None
-        # A numpy slice under the view: whatever view of it is still alive holds a reference to self._array.
-        view = memoryview(self._array[self._used:self._used + nbytes])
-        self._used += nbytes
-        return view
-
-    def idle(self) -> bool:
-        """No view taken from it is alive (its only references: self._array and getrefcount's argument)."""
-        return sys.getrefcount(self._array) <= 2
-
-    def reset(self) -> None:
-        self._used = 0
-
-
-class _Arenas:
-    """The disk tier's read buffers, kept for the next load once none of their payloads is alive: a load's
-    tens of MB then go into pages faulted in before, not fresh pages the kernel must fault in and zero (as
-    much as the read itself). Buffers over KEEP_BYTES are not kept (they are freed with their payloads)."""
-
-    KEEP = 2  # a load in flight while the next sequence's blocks are matched
-    KEEP_BYTES = 256 * 2**20
-
-    def __init__(self) -> None:
-        self._kept: list[_Arena] = []
-
-    def take(self, nbytes: int) -> _Arena:
-        """An idle kept arena of at least nbytes, emptied; else a new one (kept if there is room)."""
-        idle = [a for a in self._kept if a.idle()]
-        fits = [a for a in idle if a.nbytes >= nbytes]
-        if fits:
-            arena = min(fits, key=lambda a: a.nbytes)
-            arena.reset()
-            return arena
-        arena = _Arena(nbytes)
-        if nbytes <= self.KEEP_BYTES:
-            if len(self._kept) >= self.KEEP and idle:
-                self._kept.remove(min(idle, key=lambda a: a.nbytes))  # too small for this load
-            if len(self._kept) < self.KEEP:
-                self._kept.append(arena)
-        return arena
 
 
 def _read_file(path: Path) -> bytes:
