@@ -223,8 +223,8 @@ class OffloadingConnector(KVConnectorBase):
         """Read entries from this process's tier until one fails (then a miss: False)."""
         bs = self.block_size
         # A disk tier checks headers and keys now and its payloads when they load (match_many: DiskBlocks).
-        read = getattr(self.tier, "match_many", self.tier.get_many)
-        payloads = read([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g)) for g, i in entries])
+        payloads = self.tier.match_many([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+                                         for g, i in entries])
         for entry, payload in zip(entries, payloads):
             if payload is None:
                 match.bad.add(entry)

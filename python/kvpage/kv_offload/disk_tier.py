@@ -32,7 +32,7 @@ from kvpage.core.hashing import HASH_SIZE, group_key
 from kvpage.core.prefix_cache import BlockKey
 
 from .read_buffers import ReadBuffers
-from .tiers import _Tier
+from .tiers import _Tier, _until_miss
 
 logger = logging.getLogger("kvpage")
 
@@ -238,14 +238,11 @@ class DiskTier(_Tier):
         """As get_many, but each hit is a DiskBlock: its file's header and full key checked now (a small read),
         its payload read and checksummed only when loaded (load_into: straight into the cache's rows, after
         allocation). A payload failing its checksum then is a load error (its tokens are recomputed)."""
-        out = []
-        for block_hash, key in requests:
-            out.append(self._match(block_hash, key) if self.contains(block_hash) else None)
-            if out[-1] is None:
-                break
-        return out
+        return _until_miss(requests, self._match)
 
     def _match(self, block_hash: bytes, key: BlockKey) -> "DiskBlock | None":
+        if not self.contains(block_hash):
+            return None
         path = self._file(block_hash)
         try:
             # O_NONBLOCK: something other than a file under a block's name (a FIFO) cannot hang the step.

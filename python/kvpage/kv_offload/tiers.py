@@ -129,12 +129,12 @@ class _Tier:
     def get_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
         """get() of each (hash, key) in order, up to and including the first miss (None): a hit needs every
         block before it, so nothing past a miss is read."""
-        out = []
-        for block_hash, key in requests:
-            out.append(self.get(block_hash, key))
-            if out[-1] is None:
-                break
-        return out
+        return _until_miss(requests, self.get)
+
+    def match_many(self, requests: list[tuple[bytes, BlockKey]]) -> list:
+        """What the connector's lookup holds for each (hash, key), as get_many: verified payloads here; a tier
+        that reads its payloads only when they load hands out references to them instead (DiskTier)."""
+        return self.get_many(requests)
 
     def _count_read(self, payload) -> None:
         self.stats.read_blocks += 1
@@ -177,3 +177,13 @@ class HostMemoryTier(_Tier):
 
     def close(self) -> None:
         pass
+
+
+def _until_miss(requests: list[tuple[bytes, BlockKey]], lookup) -> list:
+    """lookup(hash, key) of each request in order, up to and including the first None."""
+    out = []
+    for block_hash, key in requests:
+        out.append(lookup(block_hash, key))
+        if out[-1] is None:
+            break
+    return out
