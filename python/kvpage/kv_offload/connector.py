@@ -373,8 +373,9 @@ class _Match:
 
 class LoadCost:
     """Measured seconds per block loaded from the tier: the read (and checks) at match time plus the copy
-    into the cache (the worker's), each the median per block over the recent loads, so one load stretched
-    by another process on the machine moves nothing."""
+    into the cache (the worker's; for a disk tier behind a CPU pool, the payload's read and checksum, which
+    happen there), each the median per block over the recent loads, so one load stretched by another process
+    on the machine moves nothing."""
 
     def __init__(self, window: int = 32) -> None:
         self._reads: deque = deque(maxlen=window)
