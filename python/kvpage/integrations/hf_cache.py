@@ -3,7 +3,7 @@
 Existing code changes two lines:
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvpage")
-    model.generate(**inputs, past_key_values=kvpage.PagedCache(model.config))
+    model.generate(**inputs, cache=kvpage.PagedCache(model.config))
 
 How a forward pass runs on it. Each HF attention layer calls `cache.update(key, value, layer_idx,
 kwargs=...)` with the new tokens' K/V (RoPE already applied), then the attention function. `update`
@@ -49,8 +49,8 @@ _GROWTH = 1.25  # each growth is a full copy: geometric growth amortises it, all
 
 
 class PagedCache(Cache):
-    """transformers' Cache API over kvpage blocks: pass it as `generate(..., past_key_values=...)` to a
-    model loaded with `attn_implementation="kvpage"`.
+    """transformers' Cache API over kvpage blocks: pass it as `generate(..., cache=...)` (or by its older
+    name, past_key_values=) to a model loaded with `attn_implementation="kvpage"`.
 
     config: the model's config (`model.config`). num_blocks: size of the block pool; None (default)
     grows it on demand. block_size: tokens per block (a power of two up to 256). dtype, device: of the

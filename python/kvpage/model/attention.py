@@ -90,7 +90,7 @@ def kvpage_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     try:
         context = get_forward_context()
     except RuntimeError as e:
-        raise RuntimeError(f"{e}; for HF generate, pass past_key_values=kvpage.PagedCache(model.config)") from None
+        raise RuntimeError(f"{e}; for HF generate, pass cache=kvpage.PagedCache(model.config)") from None
     key_cache, value_cache = context.kv_caches[module.layer_idx]
     num_tokens, num_heads, head_size = query.shape[2], query.shape[1], query.shape[3]
     # HF reshapes our output to [1, T, hidden] next: writing the kernel's [T, H, D] result straight
