@@ -156,8 +156,10 @@ class BlockManager:
         Sets and returns seq.num_computed_tokens, the number of prefix-cache hit tokens.
         count_hits=False: leave the prefix-cache statistics alone (a re-admission after preemption).
         num_external_tokens: [kv tier] of num_new_tokens, the first ones a KV connector loads (whole blocks
-        right after the cached prefix): a window group gets NULL_BLOCK, no block, where a loaded position is
-        outside the window that ends at the load's end (nothing is loaded there, nothing will read it).
+        right after the cached prefix, then, where no group has a window, possibly part of one more: a partial
+        last block, loaded into the fresh block drawn here): a window group gets NULL_BLOCK, no block, where a
+        loaded position is outside the window that ends at the load's end (nothing is loaded there, nothing will
+        read it).
         """
         if seq.block_table or seq.swapped:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; allocate is for waiting sequences")
@@ -236,9 +238,13 @@ class BlockManager:
             return hits, [0] * self.num_groups
         bs = self.block_size
         start = len(hits[0]) * bs
-        if num_external_tokens < 0 or num_external_tokens % bs or start + num_external_tokens >= len(seq.token_ids):
-            raise ValueError(f"num_external_tokens must be whole blocks of {bs} after seq {seq.seq_id}'s cached"
-                             f" prefix ({start} tokens), leaving its last token, got {num_external_tokens}")
+        # A partial last block only where no group has a window (its fresh block is then drawn like any other).
+        partial_ok = not self._window_groups
+        if (num_external_tokens < 0 or (num_external_tokens % bs and not partial_ok)
+                or start + num_external_tokens >= len(seq.token_ids)):
+            raise ValueError(f"num_external_tokens must be the tokens right after seq {seq.seq_id}'s cached prefix"
+                             f" ({start} tokens), leaving its last token (whole blocks of {bs} where a KV-cache group"
+                             f" has a sliding window), got {num_external_tokens}")
         end = start + num_external_tokens
         skips = [first_kept_block(end, w, bs) for w in self.sliding_windows]
         hits = [table if not skip else [NULL_BLOCK] * min(skip, len(table)) + table[skip:]

@@ -147,7 +147,7 @@ class Scheduler(StepPlanner, Preemption, SpecDecodeSteps, StepCommit, StepRecove
             for seq_id in seq_ids:
                 if seq_id in live:
                     request.finish_reasons[seq_id] = reason
-                    self.bm.free(live[seq_id])
+                    self._free_finished(live[seq_id])
             if not request.live_seqs():
                 self._finish_request(request)
 
@@ -191,8 +191,15 @@ class Scheduler(StepPlanner, Preemption, SpecDecodeSteps, StepCommit, StepRecove
 
     def _finish_request(self, request: Request) -> None:
         for seq in request.seqs:
-            self.bm.free(seq)
+            self._free_finished(seq)
         self._retire(request)
+
+    def _free_finished(self, seq: Sequence) -> None:
+        """Free a finished sequence's blocks (idempotent); [kv tier] the connector hears of it first (it stores
+        the sequence's last partial block, whose bytes stay intact until the next step runs)."""
+        if self.kv_connector is not None and seq.block_tables[0]:
+            self.kv_connector.request_finished(seq)
+        self.bm.free(seq)
 
     def _retire(self, request: Request) -> None:
         """Take a request whose sequences hold no blocks out of its queue: it is finished."""

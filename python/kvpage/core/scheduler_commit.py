@@ -133,7 +133,7 @@ class StepCommit:
             reason = request.stop_reason(target, self.config.max_model_len)
             if reason is not None:
                 request.finish_reasons[target.seq_id] = reason
-                self.bm.free(target)
+                self._free_finished(target)
 
     def _fork(self, parent: Sequence) -> Sequence:
         """A new registered sequence sharing the parent's tokens and blocks (n > 1 samples, beams)."""

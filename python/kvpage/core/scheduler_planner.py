@@ -155,10 +155,11 @@ class StepPlanner:
 
     def _load_external(self, request: Request, seq: Sequence, start: int, ext: int) -> int:
         """[kv tier] The connector's `ext` tokens after `start` load into the blocks just allocated for them,
-        and count as computed (indexed now, as swap_in indexes its blocks; the step loads them before its
-        forward pass, and discard_step distrusts them as it does swap-in destinations)."""
+        and count as computed (the full blocks indexed now, as swap_in indexes its blocks; the step loads them
+        before its forward pass, and discard_step distrusts them as it does swap-in destinations). A partial
+        last block's tokens count too; its block is indexed once this sequence's prefill fills it."""
         bs = self.bm.block_size
-        blocks = seq.block_table[start // bs:(start + ext) // bs]
+        blocks = seq.block_table[start // bs:-(-(start + ext) // bs)]  # a partial last block's too
         self.kv_connector.update_state_after_alloc(seq, blocks, is_recompute=request.num_cached_tokens >= 0)
         if request.num_cached_tokens < 0:  # counted as cached tokens below, until the load fails
             self._external_hits.append((request, ext))

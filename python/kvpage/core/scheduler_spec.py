@@ -55,7 +55,7 @@ class SpecDecodeSteps:
         self.bm.mark_computed(seq, seq.num_tokens - 1 - seq.num_computed_tokens)
         if reason is not None:
             request.finish_reasons[seq.seq_id] = reason
-            self.bm.free(seq)
+            self._free_finished(seq)
 
 
 def check_spec_tokens(s: ScheduledSequence, tokens: list[int]) -> list[int]:

@@ -2,9 +2,12 @@
 
 Scheduler side, called by kvpage.core.scheduler once per admission and step:
   get_num_new_matched_tokens(seq, num_computed_tokens) -> int
-      how many more tokens, past the pool's own prefix hit, the connector can supply (whole blocks);
+      how many more tokens, past the pool's own prefix hit, the connector can supply (whole blocks, then
+      possibly part of one: a partial last block, below);
   update_state_after_alloc(seq, blocks)
       the fresh device blocks the block manager gave those tokens: what to load where;
+  request_finished(seq)
+      a sequence finished and its blocks are about to be freed (their bytes intact until a step runs);
   on_evict(block_hash, key, block_id)
       the pool's LRU reclaimed a cached block: its bytes (still intact until this step runs) should
       be kept;
@@ -15,6 +18,17 @@ before the step's block moves and forward pass.
 
 The next connectors (another instance's blocks for disaggregated prefill, an external store) implement
 the same methods; the scheduler does not change.
+
+Partial last blocks: only full blocks are prefix-cache entries (vLLM's rule), so a chat's next turn would
+recompute the tokens of the previous answer's last, partly filled block. When a sequence finishes, the
+offloading connector stores that block's computed tokens' K/V as a tier entry keyed like a block whose key
+holds fewer than block_size tokens (its parent's chain hash, those tokens, the extra keys, the group; the full
+key verified on load). A lookup whose full-block hit ends at a block boundary then probes for the longest such
+entry whose tokens are a prefix of the prompt's next tokens (leaving the last token to compute); it is loaded
+into the fresh block the sequence gets for that position, which it owns alone and which is no prefix-cache
+entry until the sequence's own prefill fills it (then the usual full-block caching applies). Not with a
+sliding-window KV-cache group (a window's blocks are matched by the window rule, whole blocks only) nor decode
+context parallelism (no tier at all there).
 """
 from __future__ import annotations
 
@@ -24,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from kvpage.core.hashing import ROOT_HASH, group_key, pack_tokens
+from kvpage.core.hashing import ROOT_HASH, group_key, hash_block, pack_tokens
 from kvpage.core.kv_cache_groups import NULL_BLOCK, first_kept_block
 from kvpage.core.prefix_cache import BlockKey
 from kvpage.core.sequence import Sequence
@@ -34,6 +48,7 @@ logger = logging.getLogger(__name__)
 # Tier hashes whose load failed, kept as misses (OffloadingConnector.on_load_failed); past this many the oldest
 # is forgotten (a file still there and still bad then costs one more recovered step).
 MAX_FAILED_LOADS = 65536
+TOKEN_BYTES = 8  # a token's bytes in a key (hashing.pack_tokens: little-endian int64)
 
 
 class KVLoadError(RuntimeError):
@@ -74,6 +89,9 @@ class KVConnectorBase:
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
         pass
 
+    def request_finished(self, seq: Sequence) -> None:
+        pass
+
     def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
         pass
 
@@ -102,6 +120,8 @@ class OffloadingConnector(KVConnectorBase):
         self.tier = tier
         self.block_size = block_size
         self.sliding_windows = tuple(sliding_windows)
+        # Partial last blocks (module docstring): only where every group is full attention.
+        self.partial_blocks = all(w is None for w in self.sliding_windows)
         self.save_now = save_now
         self.recompute_seconds = recompute_seconds
         self.load_cost = LoadCost()
@@ -122,9 +142,11 @@ class OffloadingConnector(KVConnectorBase):
         self.loaded_bytes = 0
         self.stored_blocks = 0  # handed to the tier (the tier's own stats say what it kept)
         self.declined_blocks = 0  # held by the tier, but recomputing them was priced cheaper than loading
+        self.partial_hit_tokens = 0  # of hit_tokens, those loaded from partial last blocks
+        self.partial_stored_blocks = 0  # partial last blocks handed to the tier (one per group)
         # [failed loads] the counters before this step's schedule, and the last meta's (device block, tier hash)
         # loads: a step whose load fails counts nothing, and its failed entries are misses from then on.
-        self._counted_before_step = (0, 0, 0)
+        self._counted_before_step = (0, 0, 0, 0)
         self._last_loads: list[tuple[int, bytes]] = []
         self._failed_loads: dict[bytes, None] = {}  # insertion order: the oldest is forgotten first
         self._warned_failed_load = False
@@ -139,8 +161,9 @@ class OffloadingConnector(KVConnectorBase):
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """Whole blocks from num_computed_tokens on that the tier holds for every KV-cache group, verified,
-        before the prompt's last token (which must run for its logits); 0 where the cost model prices
-        recomputing them cheaper than loading them (as the scheduler prices swap vs recompute).
+        before the prompt's last token (which must run for its logits), then the tokens of a partial last
+        block found right after them (_match_partial; so the count need not be whole blocks); 0 where the
+        cost model prices recomputing them cheaper than loading them (as the scheduler prices swap vs recompute).
 
         A hit of h blocks needs, from the tier, each full-attention group's blocks [first, h) and each
         sliding-window group's blocks of the window that ends at h (vLLM's hybrid rule; the pool's own hit
@@ -155,17 +178,51 @@ class OffloadingConnector(KVConnectorBase):
         if match is None or match.first != first:
             match = _Match(first)
         h = self._fit(seq, match, limit)  # index look-ups only: nothing read yet
-        if h > first and not match.payloads and not self._worth_loading(len(self._needed(first, h)), h - first):
+        if h > first and not match.payloads and not self._worth_loading(len(self._needed(first, h)), (h - first) * bs):
             self.declined_blocks += len(self._needed(first, h))
             return 0
         h = self._read(seq, match, h)
-        if h > first:
+        num_partial = self._match_partial(seq, match, h)
+        if h > first or num_partial:
             if len(self._matched) > 8:  # only the queue's heads are looked up repeatedly
                 self._matched.clear()
             self._matched[seq.seq_id] = match
         else:
             self._matched.pop(seq.seq_id, None)
-        return (h - first) * bs
+        return (h - first) * bs + num_partial
+
+    def _match_partial(self, seq: Sequence, match: "_Match", h: int) -> int:
+        """Tokens of logical block h (where the full-block hit ends) that a partial entry supplies for every
+        group, verified (module docstring): the longest the tier holds whose tokens are a prefix of the
+        prompt's there, leaving its last token to compute; 0 if none, or where recomputing them is priced
+        cheaper than loading a block per group. One hash and one index look-up per length tried."""
+        if not self.partial_blocks:
+            return 0
+        # An earlier schedule's match (the queue's head looked up again): every other rank verifies it afresh,
+        # for this schedule's loads.
+        if match.partial is not None and match.partial.block == h and all(self._remote_flags(match.partial.entries)):
+            return match.partial.num_tokens
+        match.partial = None
+        bs, num_groups = self.block_size, len(self.sliding_windows)
+        start = h * bs
+        longest = min(bs - 1, len(seq.token_ids) - 1 - start)
+        if longest < 1:
+            return 0
+        parent = block_hash(seq, h - 1, bs) if h else ROOT_HASH
+        packed = pack_tokens(seq.token_ids[start:start + longest])
+        for n in range(longest, 0, -1):
+            entries = partial_entries(parent, packed[:n * TOKEN_BYTES], seq.extra_keys, num_groups)
+            if not all(e not in self._failed_loads and self.tier.contains(e) for e, _ in entries):
+                continue
+            payloads = self.tier.match_many(entries)
+            if len(payloads) < num_groups or any(p is None for p in payloads) or not all(self._remote_flags(entries)):
+                continue  # failed a check (the tier dropped it) or another rank lacks it: a shorter one may do
+            if not self._worth_loading(num_groups, n):
+                self.declined_blocks += num_groups
+                return 0
+            match.partial = _Partial(h, n, entries, payloads)
+            return n
+        return 0
 
     def _needed(self, first: int, h: int) -> list[tuple[int, int]]:
         """(group, logical block) entries a hit of blocks [first, h) takes from the tier."""
@@ -238,36 +295,48 @@ class OffloadingConnector(KVConnectorBase):
         if self.verify_remote is None:
             return True
         bs = self.block_size
-        keyed = [(e, group_key(block_hash(seq, e[1], bs), e[0])) for e in entries]
-        keyed = [(e, h) for e, h in keyed if h not in self._remote_verified]
-        flags = self.verify_remote(self._epoch, [(h, block_key(seq, i, bs, g)) for (g, i), h in keyed])
-        for ((g, i), h), ok in zip(keyed, flags):
-            if ok:
-                self._remote_verified.add(h)
-            else:
-                match.bad.add((g, i))
-                match.payloads.pop((g, i), None)
+        flags = self._remote_flags([(group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g))
+                                    for g, i in entries])
+        for entry, ok in zip(entries, flags):
+            if not ok:
+                match.bad.add(entry)
+                match.payloads.pop(entry, None)
         return all(flags)
 
-    def _worth_loading(self, num_blocks: int, num_hit_blocks: int) -> bool:
+    def _remote_flags(self, items: list[tuple[bytes, BlockKey]]) -> list[bool]:
+        """Under tensor parallelism: whether every other rank holds and verified each (tier hash, key) in this
+        schedule (asked once per entry and schedule). One process: all True."""
+        if self.verify_remote is None:
+            return [True] * len(items)
+        todo = [item for item in items if item[0] not in self._remote_verified]
+        for (tier_hash, _), ok in zip(todo, self.verify_remote(self._epoch, todo)):
+            if ok:
+                self._remote_verified.add(tier_hash)
+        return [tier_hash in self._remote_verified for tier_hash, _ in items]
+
+    def _worth_loading(self, num_blocks: int, num_tokens: int) -> bool:
         """Load unless the measured cost of loading num_blocks entries exceeds the cost model's recompute
-        cost for the hit's tokens."""
+        cost for the hit's num_tokens tokens."""
         load = self.load_cost.seconds(num_blocks)
         if load is None or self.recompute_seconds is None:
             return True  # nothing measured yet: a tier hit is presumed cheaper (it is, by far, on CPU)
-        recompute = self.recompute_seconds(num_hit_blocks * self.block_size)
+        recompute = self.recompute_seconds(num_tokens)
         return recompute is None or load <= recompute
 
     def update_state_after_alloc(self, seq: Sequence, blocks: list[int], is_recompute: bool = False) -> None:
-        """Load the matched blocks: `blocks` are group 0's device blocks of those tokens, in order; every
-        group's table holds a fresh block where it needs the tier's bytes and NULL_BLOCK where a window
-        group needs nothing (BlockManager.allocate's num_external_tokens)."""
+        """Load the matched blocks: `blocks` are group 0's device blocks of those tokens, in order (the last one
+        a matched partial block's: a fresh block of the sequence's own); every group's table holds a fresh
+        block where it needs the tier's bytes and NULL_BLOCK where a window group needs nothing
+        (BlockManager.allocate's num_external_tokens)."""
         if not blocks:
             return
         match = self._matched.pop(seq.seq_id)
-        first, h = match.first, match.first + len(blocks)
-        if seq.block_tables[0][first:h] != list(blocks):
-            raise RuntimeError(f"seq {seq.seq_id}: blocks {blocks} to load are not its table's [{first}, {h})")
+        partial = match.partial
+        first, end = match.first, match.first + len(blocks)
+        h = end - (partial is not None)  # the full blocks' end
+        if seq.block_tables[0][first:end] != list(blocks) or (partial is not None and partial.block != h):
+            raise RuntimeError(f"seq {seq.seq_id}: blocks {blocks} to load are not its table's [{first}, {end})")
+        bs = self.block_size
         for g, table in enumerate(seq.block_tables):
             for i in range(first, h):
                 if table[i] == NULL_BLOCK:
@@ -275,13 +344,44 @@ class OffloadingConnector(KVConnectorBase):
                 payload = match.payloads.get((g, i))
                 if payload is None:
                     raise RuntimeError(f"seq {seq.seq_id}: group {g}'s block {i} to load was not matched")
-                self._loads.append((table[i], payload))
-                self._load_keys.append((group_key(block_hash(seq, i, self.block_size), g),
-                                        block_key(seq, i, self.block_size, g)))
-                self.loaded_bytes += len(payload)
-                self.loaded_blocks += 1
+                self._load(table[i], payload, (group_key(block_hash(seq, i, bs), g), block_key(seq, i, bs, g)))
+        num_partial = 0
+        if partial is not None:
+            num_partial = partial.num_tokens
+            for table, payload, entry in zip(seq.block_tables, partial.payloads, partial.entries):
+                self._load(table[h], payload, entry)
         if not is_recompute:
-            self.hit_tokens += len(blocks) * self.block_size
+            self.hit_tokens += (h - first) * bs + num_partial
+            self.partial_hit_tokens += num_partial
+
+    def _load(self, block_id: int, payload, entry: tuple[bytes, BlockKey]) -> None:
+        """Load the tier entry (tier hash, key) `entry`, matched as `payload`, into device block block_id."""
+        self._loads.append((block_id, payload))
+        self._load_keys.append(entry)
+        self.loaded_bytes += len(payload)
+        self.loaded_blocks += 1
+
+    def request_finished(self, seq: Sequence) -> None:
+        """A finished sequence is about to free its blocks: store its last partial block (the computed tokens
+        past its last full block) as a partial entry (module docstring), in the next stores. Its bytes stay
+        intact until a step runs (on_step_computed saves them at once where the worker saves write-through;
+        else the next step's worker saves them before anything else)."""
+        if not self.partial_blocks or seq.swapped or not seq.block_tables[0]:
+            return
+        bs = self.block_size
+        i, n = divmod(seq.num_computed_tokens, bs)
+        if not n:
+            return
+        parent = block_hash(seq, i - 1, bs) if i else ROOT_HASH
+        packed = pack_tokens(seq.token_ids[i * bs:i * bs + n])
+        for (tier_hash, key), table in zip(partial_entries(parent, packed, seq.extra_keys, len(seq.block_tables)),
+                                          seq.block_tables):
+            if tier_hash in self._storing or self.tier.contains(tier_hash):
+                continue
+            self._failed_loads.pop(tier_hash, None)  # stored afresh: a hit again once it is written
+            self._storing.add(tier_hash)
+            self._stores.append((tier_hash, key, table[i]))
+            self.partial_stored_blocks += 1
 
     def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
         if self.tier.contains(block_hash):
@@ -297,6 +397,10 @@ class OffloadingConnector(KVConnectorBase):
         hold their K/V now) that the tier lacks. Nothing can overwrite them before the next schedule()."""
         if self.save_now is None:
             return
+        if self._stores:  # finished sequences' partial blocks (request_finished): freed, but no step ran since
+            self.save_now(self._stores)
+            self.stored_blocks += len(self._stores)
+            self._stores, self._storing = [], set()
         cache = block_manager.device.cache
         stores = []
         for block_id in block_manager.blocks_indexed_this_step():
@@ -313,7 +417,7 @@ class OffloadingConnector(KVConnectorBase):
         # Loads of a schedule() that was rolled back never happen. Stores stay: the evicted blocks'
         # bytes are intact until a step runs, and the next step's meta carries them.
         self._loads, self._load_keys = [], []
-        self._counted_before_step = (self.hit_tokens, self.loaded_blocks, self.loaded_bytes)
+        self._counted_before_step = (self.hit_tokens, self.loaded_blocks, self.loaded_bytes, self.partial_hit_tokens)
         self._last_loads = []
         self._epoch += 1
         self._remote_verified.clear()
@@ -335,7 +439,7 @@ class OffloadingConnector(KVConnectorBase):
         cannot delete the file (a read-only directory, another user's file) its next lookup finds the file again,
         which passes the match-time checks and fails its load again: without this the engine would retry that
         step for ever."""
-        self.hit_tokens, self.loaded_blocks, self.loaded_bytes = self._counted_before_step
+        self.hit_tokens, self.loaded_blocks, self.loaded_bytes, self.partial_hit_tokens = self._counted_before_step
         failed = set(block_ids)
         hashes = [tier_hash for block_id, tier_hash in self._last_loads if block_id in failed]
         if hashes and not self._warned_failed_load:
@@ -356,6 +460,8 @@ class OffloadingConnector(KVConnectorBase):
             "kv_offload_stored_blocks": t.stored_blocks, "kv_offload_stored_bytes": t.stored_bytes,
             "kv_offload_dropped_blocks": t.dropped_blocks, "kv_offload_evicted_blocks": t.evicted_blocks,
             "kv_offload_rejected_blocks": t.rejected_blocks, "kv_offload_declined_blocks": self.declined_blocks,
+            "kv_offload_partial_hit_tokens": self.partial_hit_tokens,
+            "kv_offload_partial_stored_blocks": self.partial_stored_blocks,
             "kv_offload_blocks": len(self.tier),
             "kv_offload_bytes": self.tier.used_bytes, "kv_offload_capacity_bytes": self.tier.capacity_bytes,
         }
@@ -369,6 +475,18 @@ class _Match:
     first: int
     payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
     bad: set[tuple[int, int]] = field(default_factory=set)
+    partial: "_Partial | None" = None  # a partial last block matched right after the full blocks
+
+
+@dataclass
+class _Partial:
+    """A partial entry matched for logical block `block`: its num_tokens tokens, and per group its
+    (tier hash, key) and payload."""
+
+    block: int
+    num_tokens: int
+    entries: list[tuple[bytes, BlockKey]]
+    payloads: list
 
 
 class LoadCost:
@@ -402,6 +520,15 @@ def block_key(seq: Sequence, i: int, block_size: int, group: int = 0) -> BlockKe
     parent = block_hash(seq, i - 1, block_size) if i else ROOT_HASH
     tokens = pack_tokens(seq.token_ids[i * block_size:(i + 1) * block_size])
     return BlockKey(parent, tokens, seq.extra_keys, group)
+
+
+def partial_entries(parent: bytes, token_bytes: bytes, extra_keys: tuple,
+                    num_groups: int) -> list[tuple[bytes, BlockKey]]:
+    """Each group's (tier hash, key) of a partial block: the tokens (packed, fewer than a block's) after the
+    block whose chain hash is `parent`. Keyed as a block's key would be; a full block's key always holds
+    block_size tokens, so the two never share a key."""
+    chain = hash_block(parent, token_bytes, extra_keys)
+    return [(group_key(chain, g), BlockKey(parent, token_bytes, extra_keys, g)) for g in range(num_groups)]
 
 
 def block_hash(seq: Sequence, i: int, block_size: int) -> bytes:

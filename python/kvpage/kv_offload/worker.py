@@ -21,7 +21,7 @@ import kvpage
 from kvpage import _C
 from kvpage.engine.executor_base import Executor
 
-from .connector import KVConnectorMeta, KVLoadError
+from .connector import TOKEN_BYTES, KVConnectorMeta, KVLoadError
 from .disk_tier import DiskBlock
 
 _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
@@ -40,6 +40,8 @@ class KVOffloadWorker(Executor):
         self._tensors = [t for kv in (cache_runner or runner).kv_cache_pairs for t in kv]
         self._nbytes = [t[0].numel() * t.element_size() for t in self._tensors]
         self.bytes_per_block = sum(self._nbytes)
+        # ops.allocate_kv_cache's layout: [num_blocks, kv heads, block_size, head_size]
+        self._block_size = self._tensors[0].shape[2]
         self._device = self._tensors[0].device
         # Behind a CPU pool, the cache tensors' bytes as numpy arrays (num_blocks, bytes of one block), sharing
         # memory: a batch of blocks moves in one kvpage._C call (plain memcpys, GIL released), no torch op per
@@ -91,7 +93,20 @@ class KVOffloadWorker(Executor):
         (the disk tier writes on its own thread)."""
         rows = self.read_blocks([block_id for _, _, block_id in stores])
         for (block_hash, key, _), row in zip(stores, rows):
+            num_tokens = len(key.token_bytes) // TOKEN_BYTES
+            if num_tokens < self._block_size:
+                self._zero_past(row, num_tokens)
             self.tier.put(block_hash, key, row)
+
+    def _zero_past(self, row, num_tokens: int) -> None:
+        """A partial block's payload (kv_offload.connector: its key holds num_tokens tokens) keeps only those
+        tokens' K/V: its later token rows (a former owner's, or never written) are zeroed, in every cache
+        tensor ([kv heads, block_size, head_size] per block). A loading sequence computes those rows itself."""
+        data = np.frombuffer(row, dtype=np.uint8)
+        offset = 0
+        for t, nbytes in zip(self._tensors, self._nbytes):
+            data[offset:offset + nbytes].reshape(t.shape[1], t.shape[2], -1)[:, num_tokens:] = 0
+            offset += nbytes
 
     def start_load(self, loads) -> None:
         """The payloads are already verified host bytes (read when the scheduler matched them)."""
