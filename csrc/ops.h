@@ -96,6 +96,9 @@ KVPAGE_DECLARE_CPU_LAYER_OPS
 // crc32c(AB)): the disk KV tier's payload checksum (cpu/checksum.cpp). SSE4.2's crc32 instruction where
 // the CPU has it and the kernels' ISA is not "generic", a portable table loop otherwise; same values.
 uint32_t crc32c(const void* data, size_t num_bytes, uint32_t crc);
+// crc32c of src while copying it to dst (which must not overlap it) in the same pass. On the crc32 path dst is written
+// with non-temporal stores: fence them (_mm_sfence) before another thread reads dst.
+uint32_t crc32c_copy(void* dst, const void* src, size_t num_bytes, uint32_t crc);
 bool crc32c_uses_hardware();
 // The disk KV tier's reads (cpu/kv_blocks.cpp): file i read whole into dsts[i] where its size fits capacities[i]
 // (else only its size is reported), with the CRC-32C of its bytes from crc_starts[i] on (where it reaches that far);
@@ -110,7 +113,7 @@ void read_kv_files(const char* const* paths, uint8_t* const* dsts, const int64_t
 // The disk tier's load straight into a CPU cache (cpu/kv_blocks.cpp): file i (of sizes[i] bytes, else nothing is
 // read) holds from offsets[i] on block block_ids[i]'s row of every cache in turn (row_bytes[t] bytes of cache t, whose
 // block b starts at caches[t] + b * row_bytes[t]); they are read into those rows (files in parallel on the op
-// threads) and out[i].crc is the CRC-32C of the rows, computed right after. out[i].size: the file's size, or the
+// threads) and out[i].crc is the CRC-32C of the bytes read, computed as they are copied into the rows. out[i].size: the file's size, or the
 // position its read reached where that fell short; error: the errno, 0 if none. The caller checks the arguments
 // (offsets[i] + the rows' bytes == sizes[i]) and the results: a failed file leaves its rows partly written.
 void load_kv_files(const char* const* paths, const int64_t* sizes, const int64_t* offsets, const int64_t* block_ids,

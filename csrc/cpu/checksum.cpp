@@ -2,7 +2,9 @@
 // checksum (kv_offload/tiers.py). On x86 CPUs with SSE4.2 (every AVX2 or AVX-512 machine) it runs on the
 // crc32 instruction, three independent streams at once (the instruction's latency is three cycles, its
 // throughput one per cycle), combined by a multiply in GF(2); elsewhere, and under KVPAGE_CPU_ISA=generic,
-// a portable slicing-by-8 table loop. Both give the same value for any length and alignment.
+// a portable slicing-by-8 table loop. Both give the same value for any length and alignment. crc32c_copy also
+// copies the bytes it checksums, in the same pass (a disk tier load's payload into the cache rows).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -86,11 +88,12 @@ uint32_t raw_portable(uint32_t crc, const uint8_t* p, size_t n) {
 }
 
 #if defined(KVPAGE_CRC32C_X86)
+// Three streams of `len` bytes each, combined: crc(A B C) = shift(shift(crc(A), |B|) ^ crc0(B), |C|) ^ crc0(C).
+// Below a few KiB the combine's ~100 ns is not repaid.
+constexpr size_t kMinStream = 2048;
+
 __attribute__((target("sse4.2"))) uint32_t raw_sse42(uint32_t crc, const uint8_t* p, size_t n) {
   for (; n && (reinterpret_cast<uintptr_t>(p) & 7); ++p, --n) crc = _mm_crc32_u8(crc, *p);
-  // Three streams of `len` bytes each, combined: crc(A B C) = shift(shift(crc(A), |B|) ^ crc0(B), |C|) ^ crc0(C).
-  // Below a few KiB the combine's ~100 ns is not repaid.
-  constexpr size_t kMinStream = 2048;
   if (n >= 3 * kMinStream) {
     const size_t len = (n / 3) & ~size_t{7};
     const uint8_t* a = p;
@@ -122,6 +125,57 @@ __attribute__((target("sse4.2"))) uint32_t raw_sse42(uint32_t crc, const uint8_t
   return crc;
 }
 
+// One 64-byte line src -> dst (16-byte aligned) with non-temporal stores: the rows a load writes are not read
+// again before they leave the caches, so a plain store's read-for-ownership of each line would be wasted traffic.
+inline void stream_line(uint8_t* dst, const uint8_t* src) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+  const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+}
+
+// The raw CRC of 64-byte lines [0, len) at src, each line streamed to dst right after it is checksummed.
+__attribute__((target("sse4.2"))) uint64_t raw_copy_lines(uint64_t crc, uint8_t* dst, const uint8_t* src,
+                                                           size_t len) {
+  for (size_t i = 0; i < len; i += 64) {
+    for (size_t k = 0; k < 64; k += 8) {
+      uint64_t w;
+      std::memcpy(&w, src + i + k, 8);
+      crc = _mm_crc32_u64(crc, w);
+    }
+    stream_line(dst + i, src + i);
+  }
+  return crc;
+}
+
+// raw_sse42 over src while copying it to dst, one pass: the three streams in lockstep, a line of each at a time.
+__attribute__((target("sse4.2"))) uint32_t raw_copy_sse42(uint32_t crc, uint8_t* dst, const uint8_t* src, size_t n) {
+  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);  // to an aligned dst
+  std::memcpy(dst, src, head);
+  crc = raw_sse42(crc, src, head);
+  dst += head, src += head, n -= head;
+  if (n >= 3 * kMinStream) {
+    const size_t len = (n / 3) & ~size_t{63};
+    uint64_t ca = crc, cb = 0, cc = 0;
+    for (size_t i = 0; i < len; i += 64) {
+      ca = raw_copy_lines(ca, dst + i, src + i, 64);
+      cb = raw_copy_lines(cb, dst + len + i, src + len + i, 64);
+      cc = raw_copy_lines(cc, dst + 2 * len + i, src + 2 * len + i, 64);
+    }
+    crc = shift_zeros(static_cast<uint32_t>(ca), len) ^ static_cast<uint32_t>(cb);
+    crc = shift_zeros(crc, len) ^ static_cast<uint32_t>(cc);
+    dst += 3 * len, src += 3 * len, n -= 3 * len;
+  }
+  const size_t lines = n & ~size_t{63};
+  crc = static_cast<uint32_t>(raw_copy_lines(crc, dst, src, lines));
+  std::memcpy(dst + lines, src + lines, n - lines);
+  return raw_sse42(crc, src + lines, n - lines);
+}
+
 bool cpu_has_sse42() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("sse4.2");
@@ -147,6 +201,16 @@ uint32_t crc32c(const void* data, size_t num_bytes, uint32_t crc) {
   if (crc32c_uses_hardware()) return ~raw_sse42(raw, p, num_bytes);
 #endif
   return ~raw_portable(raw, p, num_bytes);
+}
+
+uint32_t crc32c_copy(void* dst, const void* src, size_t num_bytes, uint32_t crc) {
+#if defined(KVPAGE_CRC32C_X86)
+  if (crc32c_uses_hardware()) {
+    return ~raw_copy_sse42(~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), num_bytes);
+  }
+#endif
+  std::memcpy(dst, src, num_bytes);
+  return crc32c(src, num_bytes, crc);
 }
 
 }  // namespace cpu

@@ -1,15 +1,13 @@
 // The KV offload tier's batch work in C++: a load's block files read and checksummed (kv_offload/disk_tier.py), a
-// load's block files read straight into a CPU KV cache's rows and checksummed there (load_kv_files: no host copy in
-// between), and whole KV blocks between host payloads and a CPU KV cache (kv_offload/worker.py). A block's payload
+// load's block files read into a CPU KV cache's rows and checksummed on the way (load_kv_files: through a small
+// per-thread chunk buffer, no whole-payload host copy), and whole KV blocks between host payloads and a CPU KV cache (kv_offload/worker.py). A block's payload
 // is its row of every cache tensor, one after another; the tier hands a load's payloads over as separate buffers
 // (views of the files it read and verified), and the cache is one tensor per layer and K/V. One call moves a whole
 // batch with the GIL released, block by block (a payload is read front to back while its lines are fresh), instead
 // of a Python loop of one slice assignment per (block, tensor).
 #include <ATen/Parallel.h>
 #include <fcntl.h>
-#include <limits.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,6 +18,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../ops.h"
@@ -78,6 +77,22 @@ int open_regular(const char* path, struct stat& st, KVFileRead& r) {
   return fd;
 }
 
+// pread until n bytes are in dst, the file ends or a read fails (r.error set): the bytes read.
+int64_t pread_full(int fd, uint8_t* dst, int64_t n, int64_t pos, KVFileRead& r) {
+  int64_t got = 0;
+  while (got < n) {  // a read may return less: on to the end (or a file that shrank meanwhile)
+    const ssize_t m = ::pread(fd, dst + got, static_cast<size_t>(n - got), pos + got);
+    if (m < 0 && errno == EINTR) continue;
+    if (m < 0) {
+      r.error = errno;
+      break;
+    }
+    if (m == 0) break;
+    got += m;
+  }
+  return got;
+}
+
 KVFileRead read_one(const char* path, uint8_t* dst, int64_t capacity, int64_t crc_start) {
   KVFileRead r{0, 0, 0};
   struct stat st;
@@ -86,16 +101,7 @@ KVFileRead read_one(const char* path, uint8_t* dst, int64_t capacity, int64_t cr
   if (st.st_size > capacity) {
     r.size = st.st_size;  // not read: the caller reads it on its own
   } else {
-    while (r.size < st.st_size) {  // a read may return less: on to the end (or a file that shrank meanwhile)
-      const ssize_t n = ::read(fd, dst + r.size, static_cast<size_t>(st.st_size - r.size));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        r.error = errno;
-        break;
-      }
-      if (n == 0) break;
-      r.size += n;
-    }
+    r.size = pread_full(fd, dst, st.st_size, 0, r);
     if (r.error == 0 && r.size >= crc_start) {
       // Right after the read, while the block is in this core's caches.
       r.crc = crc32c(dst + crc_start, static_cast<size_t>(r.size - crc_start), 0);
@@ -105,31 +111,15 @@ KVFileRead read_one(const char* path, uint8_t* dst, int64_t capacity, int64_t cr
   return r;
 }
 
-// preadv until every iovec is full, the file ends or a read fails; returns the file position reached (r.error set
-// on a failed read).
-int64_t preadv_all(int fd, std::vector<iovec>& iov, int64_t pos, KVFileRead& r) {
-  size_t first = 0;
-  while (first < iov.size()) {
-    const int count = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
-    const ssize_t n = ::preadv(fd, iov.data() + first, count, pos);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      r.error = errno;
-      break;
-    }
-    if (n == 0) break;  // the file is shorter than it was when checked
-    pos += n;
-    for (size_t left = static_cast<size_t>(n); left > 0;) {  // a read may fill the iovecs only in part
-      if (left >= iov[first].iov_len) {
-        left -= iov[first++].iov_len;
-      } else {
-        iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
-        iov[first].iov_len -= left;
-        left = 0;
-      }
-    }
-  }
-  return pos;
+// A load reads a file a chunk at a time into this buffer (one per op thread, kept: no fresh pages per load), small
+// enough to stay in the core's L2, from where crc32c_copy checksums each chunk while streaming it into the rows. One
+// pass over memory-cold rows with non-temporal stores, instead of a read straight into them (the kernel's copy reads
+// each cold row line in first) and a second pass to checksum them. Big enough that a block takes few reads.
+constexpr int64_t kChunkBytes = int64_t{256} << 10;
+
+uint8_t* chunk_buffer() {
+  thread_local std::unique_ptr<uint8_t[]> buffer(new uint8_t[kChunkBytes]);
+  return buffer.get();
 }
 
 KVFileRead load_one(const char* path, int64_t size, int64_t offset, uint8_t* const* rows, const int64_t* row_bytes,
@@ -140,15 +130,32 @@ KVFileRead load_one(const char* path, int64_t size, int64_t offset, uint8_t* con
   if (fd < 0) return r;
   if (st.st_size != size) {
     r.size = st.st_size;  // not the file that was checked: nothing read
-  } else {
-    std::vector<iovec> iov(static_cast<size_t>(num_caches));
-    for (int64_t t = 0; t < num_caches; ++t) iov[t] = iovec{rows[t], static_cast<size_t>(row_bytes[t])};
-    r.size = preadv_all(fd, iov, offset, r);
-    if (r.error == 0 && r.size == size) {
-      // Over the rows just written, while they are in this core's caches.
-      for (int64_t t = 0; t < num_caches; ++t) r.crc = crc32c(rows[t], static_cast<size_t>(row_bytes[t]), r.crc);
-    }
+    ::close(fd);
+    return r;
   }
+  uint8_t* chunk = chunk_buffer();
+  uint32_t crc = 0;
+  int64_t pos = offset, t = 0, in_row = 0;  // the file position, the row (cache) and the place in it it goes to
+  while (pos < size) {
+    const int64_t want = std::min(kChunkBytes, size - pos);
+    const int64_t got = pread_full(fd, chunk, want, pos, r);
+    pos += got;
+    for (int64_t b = 0; b < got;) {  // the arguments' check: size - offset is the rows' bytes, so t stays in range
+      if (in_row == row_bytes[t]) {
+        ++t, in_row = 0;
+        continue;
+      }
+      const int64_t n = std::min(got - b, row_bytes[t] - in_row);
+      crc = crc32c_copy(rows[t] + in_row, chunk + b, static_cast<size_t>(n), crc);
+      b += n, in_row += n;
+    }
+    if (got < want) break;  // the file ended early (shrank since the fstat) or a read failed
+  }
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_sfence();  // crc32c_copy's streamed stores are visible before the forward reads the rows
+#endif
+  r.size = pos;  // the position reached: the caller compares it with the size it checked
+  if (r.error == 0 && r.size == size) r.crc = crc;
   ::close(fd);
   return r;
 }

@@ -171,6 +171,21 @@ def test_load_kv_files_reads_into_the_rows_and_checksums(cpu_isa, tmp_path):
         assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_load_kv_files_large_unaligned_rows(cpu_isa, tmp_path):
+    """Rows of odd sizes (unaligned, one of them longer than the load's 256 KiB read chunk, others a few bytes):
+    every chunk and row boundary falls somewhere else, the checksum's three-stream and tail paths all run."""
+    widths = (300_007, 6151, 3, 20_000)
+    rng = np.random.default_rng(7)
+    views = [rng.integers(0, 256, size=(4, w), dtype=np.uint8) for w in widths]
+    expected = [v.copy() for v in views]
+    block_ids = [3, 1]
+    paths, sizes, offsets, rows = block_files(tmp_path, views, len(block_ids), seed=5)
+    results = _C.load_kv_files(paths, sizes, offsets, block_ids, views)
+    assert results == [(0, size, _C.crc32c(row)) for size, row in zip(sizes, rows)]
+    write_by_slices(expected, block_ids, rows)
+    assert all(np.array_equal(v, e) for v, e in zip(views, expected))
+
+
 def test_load_kv_files_reports_errors_and_reads_no_other_file(tmp_path):
     """A file missing, not a regular file, or of another size than the caller checked: its errno or its size, and
     its rows untouched (a file of another size is not the one whose header was checked)."""
