@@ -33,12 +33,65 @@ inline bool takes_wide_path(const RowSet& rs) {
 // Tokens per pass for the last one or two row vectors (wide_scores).
 constexpr int kWideOnesTokens = WideLanes::kWidth == 16 ? 8 : 4;
 
-// qT[i][r] = q[r][i], rows [rows, rp) zero.
-inline void transpose_queries(const float* q, int64_t rows, int64_t d, float* qT, int64_t rp) {
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t r = 0; r < rows; ++r) qT[i * rp + r] = q[r * d + i];
-    for (int64_t r = rows; r < rp; ++r) qT[i * rp + r] = 0.f;
+// The wide layout's scores are in base 2: log2 e rides in its transposed queries, the max it keeps goes
+// back to base e (ln 2) once the item is done, for the callers' log-sum-exp and sinks.
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+// wide_exp2's floor: e^x's -87 (vec.h) in base 2, whole (no denormal probabilities to slow the values).
+constexpr float kWideExp2Floor = -125.0f;
+
+#if defined(__AVX512F__)
+// dst[j][i] = src[i][j] * factor for one 16 x 16 block (rows ss and ds floats apart): four rounds of
+// shuffles, a quarter of an operation per element where copying element by element takes two (an
+// item's two transposes, its queries in and its accumulators out, were ~2% of a long prefill).
+inline void transpose16x16(const float* src, int64_t ss, float* dst, int64_t ds, float factor) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by element
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
+  for (int i = 0; i < 16; i += 4) {  // then by pairs of elements
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // then 128-bit lanes, twice
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ds, _mm512_mul_ps(r[i], f));
+}
+#endif
+
+// dst[j][i] = src[i][j] * factor for i < rows, j < cols (rows ss and ds floats apart), by 16 x 16
+// blocks where both are whole blocks of them.
+inline void transpose_scaled(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst, int64_t ds,
+                             float factor) {
+#if defined(__AVX512F__)
+  if (rows % 16 == 0 && cols % 16 == 0) {
+    for (int64_t i = 0; i < rows; i += 16)
+      for (int64_t j = 0; j < cols; j += 16) transpose16x16(src + i * ss + j, ss, dst + j * ds + i, ds, factor);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = 0; i < rows; ++i) dst[j * ds + i] = src[i * ss + j] * factor;
+}
+
+// qT[i][r] = q[r][i] * factor, padding rows [rows, rp) zero (q has room for rp rows).
+inline void transpose_queries(float* q, int64_t rows, int64_t d, float* qT, int64_t rp, float factor) {
+  std::memset(q + rows * d, 0, sizeof(float) * (rp - rows) * d);
+  transpose_scaled(q, d, rp, d, qT, rp, factor);
 }
 
 // scoreT[t][W v..W v + W) = k[t] . q[W v..W v + W) for T tokens and V row vectors of W lanes: T * V
@@ -176,9 +229,39 @@ typename L::V wide_exp(typename L::V x) {
   return exp_nonpositive_lanes<L>(x);
 }
 
-// One chunk's online-softmax step, a vector of rows at a time: m and l ([rp]) move to the chunk's
-// max (cmax, which starts over), scoreT's n tokens become probabilities, and alpha = exp(m_old -
-// m_new) is what the accumulators take before the chunk's values (wide_values). A row that has seen
+// 2^x for x <= 0 (-inf included: 0; exactly 0 below -125, near e^x's -87 = -125.5 log2 e) on the wide
+// layout's scores, which carry log2 e from their queries (WideScores::start): the exponent takes no
+// multiply, the reduction r = x - round(x) is exact (no two-constant step), and 2^r on [-1/2, 1/2] is a
+// degree-6 minimax polynomial (within ~1.3 ulp in fp32, as wide_exp is of vec.h's exp). 10 vector
+// operations on AVX-512 where wide_exp takes 13: the softmax shares the FMA ports with the products.
+constexpr float kWideExp2Poly[] = {1.5345684369e-4f, 1.3399882009e-3f, 9.6184890717e-3f, 5.5503290147e-2f,
+                                   2.4022646248e-1f, 6.9314718246e-1f, 1.0f};  // r^6 .. r^0
+
+template <typename L>
+KVPAGE_KERNEL_INLINE
+typename L::V wide_exp2(typename L::V x) {
+  using V = typename L::V;
+  auto poly = [](V r) KVPAGE_KERNEL_LAMBDA {  // Horner's rule
+    V y = L::set1(kWideExp2Poly[0]);
+    for (size_t i = 1; i < sizeof(kWideExp2Poly) / sizeof(float); ++i) y = L::fma(y, r, L::set1(kWideExp2Poly[i]));
+    return y;
+  };
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<L, Lanes16>) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kWideExp2Floor), _CMP_GE_OQ);
+    return _mm512_maskz_scalef_ps(keep, poly(_mm512_sub_ps(x, n)), n);
+  }
+#endif
+  const V clamped = L::max(x, L::set1(kWideExp2Floor));
+  const V n = L::floor(L::add(clamped, L::set1(0.5f)));
+  return L::zero_below(x, kWideExp2Floor, L::times_pow2(poly(L::sub(clamped, n)), n));
+}
+
+// One chunk's online-softmax step in base 2 (the scores and m carry log2 e), a vector of rows at a time:
+// m and l ([rp]) move to the chunk's max (cmax, which starts over), scoreT's n tokens become
+// probabilities, and alpha = 2^(m_old - m_new) is what the accumulators take before the chunk's values
+// (wide_values). A row that has seen
 // nothing yet (max -inf) keeps probability 0 and alpha 0 (its accumulators are zero): its max is
 // taken as -FLT_MAX, so both exponents are -inf.
 template <typename L>
@@ -190,11 +273,11 @@ void wide_softmax(int64_t rp, int64_t n, float* sT, float* m, float* l, float* c
     const typename L::V m_safe = L::max(m_new, L::set1(-FLT_MAX));
     typename L::V sum = L::zero();
     for (int64_t t = 0; t < n; ++t) {
-      const typename L::V p = wide_exp<L>(L::sub(L::load(sT + t * rp + r0), m_safe));
+      const typename L::V p = wide_exp2<L>(L::sub(L::load(sT + t * rp + r0), m_safe));
       L::store(sT + t * rp + r0, p);
       sum = L::add(sum, p);
     }
-    const typename L::V a = wide_exp<L>(L::sub(m_old, m_safe));
+    const typename L::V a = wide_exp2<L>(L::sub(m_old, m_safe));
     L::store(l + r0, L::fma(L::load(l + r0), a, sum));
     L::store(m + r0, m_new);
     L::store(alpha + r0, a);
@@ -297,7 +380,7 @@ struct WideScores {
 
   static void start(const RowSet& rs, int64_t d, Scratch& s) {
     const int64_t rp = round_up_rows(rs.rows);
-    transpose_queries(s.q, rs.rows, d, s.qT, rp);
+    transpose_queries(s.q, rs.rows, d, s.qT, rp, kLog2e);
     for (int64_t r = 0; r < rp; ++r) s.cmax[r] = -INFINITY;
   }
 
@@ -310,7 +393,7 @@ struct WideScores {
       return wide_scores<true>(s.qT, rp, k, nb, d, sT, s.cmax);
     }
     wide_scores<false>(s.qT, rp, k, nb, d, sT, s.cmax);
-    if (rs.softcap > 0.f) soft_cap(sT, nb * rp, rs.softcap);
+    if (rs.softcap > 0.f) soft_cap(sT, nb * rp, rs.softcap * kLog2e);  // cap tanh(s / cap), in base 2
     wide_mask(rs, pos0, nb, sT, rp);
     wide_max<WideLanes>(sT, rp, nb, s.cmax);
   }
@@ -328,8 +411,8 @@ struct WideScores {
   // with), which s.acc then points at.
   static void finish(const RowSet& rs, int64_t d, Scratch& s) {
     const int64_t rp = round_up_rows(rs.rows);
-    for (int64_t r = 0; r < rs.rows; ++r)
-      for (int64_t i = 0; i < d; ++i) s.qT[r * d + i] = s.acc[i * rp + r];
+    for (int64_t r = 0; r < rs.rows; ++r) s.m[r] *= kLn2;  // -inf stays -inf
+    transpose_scaled(s.acc, rp, d, rp, s.qT, d, 1.f);
     s.acc = s.qT;
   }
 };
