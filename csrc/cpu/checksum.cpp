@@ -125,7 +125,7 @@ __attribute__((target("sse4.2"))) uint32_t raw_sse42(uint32_t crc, const uint8_t
   return crc;
 }
 
-// One 64-byte line src -> dst (16-byte aligned) with non-temporal stores: the rows a load writes are not read
+// One 64-byte line src -> dst (64-byte aligned) with non-temporal stores: the rows a load writes are not read
 // again before they leave the caches, so a plain store's read-for-ownership of each line would be wasted traffic.
 inline void stream_line(uint8_t* dst, const uint8_t* src) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
@@ -154,7 +154,9 @@ __attribute__((target("sse4.2"))) uint64_t raw_copy_lines(uint64_t crc, uint8_t*
 
 // raw_sse42 over src while copying it to dst, one pass: the three streams in lockstep, a line of each at a time.
 __attribute__((target("sse4.2"))) uint32_t raw_copy_sse42(uint32_t crc, uint8_t* dst, const uint8_t* src, size_t n) {
-  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);  // to an aligned dst
+  // Up to a 64-byte aligned dst: streamed stores that fill whole cache lines (a line written in part by them is
+  // merged in memory, several times slower).
+  const size_t head = std::min(n, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
   std::memcpy(dst, src, head);
   crc = raw_sse42(crc, src, head);
   dst += head, src += head, n -= head;
