@@ -161,8 +161,24 @@ def test_leaves_the_last_prompt_token_to_compute(base):
     off = engine(base)
     assert list(out.outputs[0].token_ids) == list(
         off.generate([{"prompt_token_ids": whole}], params, use_tqdm=False)[0].outputs[0].token_ids)
-    shorter = llm.generate([{"prompt_token_ids": whole[:17]}], params, use_tqdm=False)[0]
+    shorter = llm.generate([{"prompt_token_ids": whole[:18]}], params, use_tqdm=False)[0]
     assert shorter.num_cached_tokens == 16 and llm.stats()["kv_offload_partial_hit_tokens"] == 2
+
+
+def test_a_restart_finds_the_partial_block(base, tmp_path):
+    """A new engine on the same directory: the start-up scan indexes the partial file too, so the next turn
+    loads its tokens (the partial lookup reads only the index)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [random.Random(4).randrange(100, 40000) for _ in range(13)]
+    first = engine(base, kv_offloading_dir=str(tmp_path))
+    answer = list(first.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+    first.shutdown()
+    follow = prompt + answer + [7, 8, 9, 10, 11]  # 24 tokens: 2 full blocks, then the 2-token partial
+    llm = engine(base, kv_offloading_dir=str(tmp_path))
+    out = llm.generate([{"prompt_token_ids": follow}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 18 and llm.stats()["kv_offload_partial_hit_tokens"] == 2
+    assert list(out.outputs[0].token_ids) == list(
+        engine(base).generate([{"prompt_token_ids": follow}], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
 def cache_rows(worker, block_id: int, num_tokens: int) -> list[torch.Tensor]:

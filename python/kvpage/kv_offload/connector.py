@@ -211,9 +211,15 @@ class OffloadingConnector(KVConnectorBase):
         parent = block_hash(seq, h - 1, bs) if h else ROOT_HASH
         packed = pack_tokens(seq.token_ids[start:start + longest])
         for n in range(longest, 0, -1):
-            entries = partial_entries(parent, packed[:n * TOKEN_BYTES], seq.extra_keys, num_groups)
-            if not all(e not in self._failed_loads and self.tier.contains(e) for e, _ in entries):
+            token_bytes = packed[:n * TOKEN_BYTES]
+            chain = hash_block(parent, token_bytes, seq.extra_keys)
+            # Index look-ups only (tier.indexed, no file system call per length tried): a partial entry another
+            # process sharing a disk tier's directory wrote since this one started is not seen (a miss costs less
+            # than a block's recompute); one written before is (the start-up scan indexes every file).
+            if not all((e := group_key(chain, g)) not in self._failed_loads and self.tier.indexed(e)
+                       for g in range(num_groups)):
                 continue
+            entries = partial_entries(parent, token_bytes, seq.extra_keys, num_groups)
             payloads = self.tier.match_many(entries)
             if len(payloads) < num_groups or any(p is None for p in payloads) or not all(self._remote_flags(entries)):
                 continue  # failed a check (the tier dropped it) or another rank lacks it: a shorter one may do

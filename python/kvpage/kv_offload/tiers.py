@@ -114,6 +114,11 @@ class _Tier:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._index
 
+    def indexed(self, block_hash: bytes) -> bool:
+        """Whether this process's index holds the entry (no more: DiskTier.contains also looks for a file another
+        process wrote since the start-up scan, a stat per miss)."""
+        return block_hash in self._index
+
     def touch(self, block_hash: bytes) -> None:
         self._index.use(block_hash)
 
