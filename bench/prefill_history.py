@@ -31,7 +31,9 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 
 def clock(threads: int):
     """The timer for --threads: one thread's CPU time (what a loaded machine skews least), or the wall clock
-    for several (CPU time would add the threads' times, and their spin waits, together)."""
+    for several (CPU time would add the threads' times, and their spin waits, together). Wall-clock figures
+    need a quiet machine: while other processes hold the other cores, a call waits out their scheduler
+    quanta (a 2-core machine under load gave ~12 ms medians for a ~1.5 ms call)."""
     return time.process_time if threads == 1 else time.perf_counter
 
 
