@@ -212,11 +212,10 @@ def run_paired(servers: dict[str, Server], users: list[list[str]], fresh: list[l
     return results
 
 
-def restart_run(model: Path, log_dir: Path, num_kv_blocks: int, block_size: int, document: str,
+def restart_run(model: Path, log_dir: Path, tier_dir: str, num_kv_blocks: int, block_size: int, document: str,
                 max_tokens: int, server_args: tuple[str, ...] = ()) -> dict:
     from openai import OpenAI
 
-    tier_dir = tempfile.mkdtemp(prefix="kvpage-restart-")
     question = [{"role": "user", "content": document + "\n\nIn one sentence: what is this document about?"}]
     result = {}
     for label in ("cold", "after_restart"):
@@ -263,6 +262,12 @@ def kv_blocks_for(model: Path, num_tokens: int, block_size: int, max_step_tokens
 
 
 def main() -> dict:
+    # The tiers' directories (~0.5 GB a run) go with the run; the servers' logs stay, for a failed start.
+    with tempfile.TemporaryDirectory(prefix="kvpage-multiturn-tiers-") as tiers:
+        return run(Path(tiers))
+
+
+def run(tiers: Path) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
     parser.add_argument("--conversations", type=int, default=6)
@@ -309,7 +314,7 @@ def main() -> dict:
     fresh = [[text_of(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)]
     servers = {}
     try:
-        for label, tier in (("tier_off", None), ("tier_on", tempfile.mkdtemp(prefix="kvpage-tier-"))):
+        for label, tier in (("tier_off", None), ("tier_on", str(tiers / "tier_on"))):
             if label in args.runs:
                 servers[label] = start_kvpage(model, log_dir, f"kvpage {label}", num_kv_blocks, args.block_size, tier,
                                               server_args)
@@ -333,8 +338,8 @@ def main() -> dict:
     if not args.skip_restart:
         document = text_of(tokenizer, args.doc_tokens, random.Random(1))
         doc_blocks = kv_blocks_for(model, args.doc_tokens + 64, args.block_size, chunk)
-        restart = restart_run(model, log_dir, max(num_kv_blocks, doc_blocks + 32), args.block_size, document,
-                              args.max_tokens, server_args)
+        restart = restart_run(model, log_dir, str(tiers / "restart"), max(num_kv_blocks, doc_blocks + 32),
+                              args.block_size, document, args.max_tokens, server_args)
         restart["cold_over_restart"] = restart["cold"]["ttft_s"] / restart["after_restart"]["ttft_s"]
         results["restart"] = restart
         print(f"restart: cold TTFT / TTFT after restart = {restart['cold_over_restart']:.2f}x (target >= 5)")

@@ -75,8 +75,15 @@ NOT_SCRIPTS = {"bench/common.py", "bench/mathlab/_common.py", "bench/peers/vllm_
                "bench/peers/vllm_launcher.py", "bench/peers/llamacpp_launcher.py", "bench/serve_servers.py"}
 
 
+def scratch_dir(out: Path, argv: list[str]) -> Path:
+    """The script's own TMPDIR: what it leaves there is checked after the run."""
+    return out / f"tmp-{Path(argv[0]).stem}"
+
+
 def run_script(argv: list[str], model_dir: Path, out: Path) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    tmp = scratch_dir(out, argv)
+    tmp.mkdir()
+    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "TMPDIR": str(tmp)}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, *(a.replace(TINY, str(model_dir)) for a in argv)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -112,3 +119,6 @@ def test_quick_run(name, smoke_runs):
                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     if writes:
         assert (out / writes).is_file(), f"python {' '.join(argv)} wrote no {writes}"
+    # A KV tier's block files are ~0.5 GB a full run: a benchmark removes its tiers' directories.
+    left = sorted(str(p) for p in scratch_dir(out, argv).rglob("*.kvb"))
+    assert not left, f"python {' '.join(argv)} left KV tier files behind: {left[:3]}"
