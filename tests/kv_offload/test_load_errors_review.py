@@ -15,7 +15,7 @@ from test_engine_tier import BEAM, GREEDY, PROMPTS, SAMPLED, tokens  # noqa: E40
 
 import kvpage  # noqa: E402
 from kvpage.core.invariants import check_block_manager  # noqa: E402
-from kvpage.kv_offload.connector import KVLoadError  # noqa: E402
+from kvpage.kv_offload.connector_api import KVLoadError  # noqa: E402
 
 PARAMS = {"greedy": GREEDY, "sampled": SAMPLED, "beam": BEAM}
 

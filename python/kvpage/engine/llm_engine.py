@@ -16,7 +16,7 @@ from kvpage.core import BeamStep, FinishReason, Scheduler, SchedulerOutput
 from kvpage.core.block_manager import CacheConfig
 from kvpage.core.interrupts import deferred_interrupts
 from kvpage.core.kv_cache_groups import KVCacheLayout
-from kvpage.kv_offload.connector import KVLoadError
+from kvpage.kv_offload.connector_api import KVLoadError
 
 from .arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from .beam_search import BeamSearchState, select_beams

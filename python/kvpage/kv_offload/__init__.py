@@ -1,8 +1,9 @@
 """KV offload tiers (issue 48): a second tier behind the pool's prefix cache, through a connector seam.
 
-connector.py: the seam (scheduler side, pure Python) and OffloadingConnector; tiers.py: what every tier
-shares and the host-memory tier; disk_tier.py: the disk tier (pure Python); worker.py: the worker side (torch) and the model fingerprint; tp.py: the same
-under tensor parallelism (each rank its own shard of the blocks, in its own tier).
+connector_api.py: the seam (scheduler side, pure Python); connector.py: OffloadingConnector, its implementation;
+tiers.py: what every tier shares and the host-memory tier; disk_tier.py: the disk tier (pure Python); worker.py:
+the worker side (torch) and the model fingerprint; tp.py: the same under tensor parallelism (each rank its own
+shard of the blocks, in its own tier).
 attach_offloading wires one engine's block manager, scheduler and runner to a tier.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import weakref
 
 from kvpage.core.preemption_cost import MeasuredCostModel
 
-from .connector import KVConnectorBase, KVConnectorMeta, OffloadingConnector
+from .connector import OffloadingConnector
+from .connector_api import KVConnectorBase, KVConnectorMeta
 from .disk_tier import DiskTier
 from .tiers import HostMemoryTier
 

@@ -21,7 +21,8 @@ import kvpage
 from kvpage import _C
 from kvpage.engine.executor_base import Executor
 
-from .connector import TOKEN_BYTES, KVConnectorMeta, KVLoadError
+from .connector import TOKEN_BYTES
+from .connector_api import KVConnectorMeta, KVLoadError
 from .disk_tier import DiskBlock
 
 _SAMPLED_ELEMENTS = 1024  # elements hashed at each end of every parameter
