@@ -11,6 +11,7 @@ ROOT_HASH = bytes(HASH_SIZE)
 
 _BLAKE2B = hashlib.blake2b(digest_size=HASH_SIZE)  # copying a prepared state beats constructing one
 _packers: dict[int, struct.Struct] = {}
+TOKEN_BYTES = 8  # one token's bytes in pack_tokens' output (little-endian int64)
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:

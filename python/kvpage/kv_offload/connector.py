@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from kvpage.core.hashing import ROOT_HASH, group_key, hash_block, pack_tokens
+from kvpage.core.hashing import ROOT_HASH, TOKEN_BYTES, group_key, hash_block, pack_tokens
 from kvpage.core.kv_cache_groups import NULL_BLOCK, first_kept_block
 from kvpage.core.prefix_cache import BlockKey
 from kvpage.core.sequence import Sequence
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 # Tier hashes whose load failed, kept as misses (OffloadingConnector.on_load_failed); past this many the oldest
 # is forgotten (a file still there and still bad then costs one more recovered step).
 MAX_FAILED_LOADS = 65536
-TOKEN_BYTES = 8  # a token's bytes in a key (hashing.pack_tokens: little-endian int64)
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -314,9 +313,7 @@ class OffloadingConnector(KVConnectorBase):
                                           seq.block_tables):
             if tier_hash in self._storing or self.tier.contains(tier_hash):
                 continue
-            self._failed_loads.pop(tier_hash, None)  # stored afresh: a hit again once it is written
-            self._storing.add(tier_hash)
-            self._stores.append((tier_hash, key, table[i]))
+            self._queue_store(tier_hash, key, table[i])
             self.partial_stored_blocks += 1
 
     def on_evict(self, block_hash: bytes, key: BlockKey, block_id: int) -> None:
@@ -324,9 +321,13 @@ class OffloadingConnector(KVConnectorBase):
             self.tier.touch(block_hash)
             self._touches.append(block_hash)
         elif block_hash not in self._storing:
-            self._failed_loads.pop(block_hash, None)  # stored afresh: a hit again once it is written
-            self._storing.add(block_hash)
-            self._stores.append((block_hash, key, block_id))
+            self._queue_store(block_hash, key, block_id)
+
+    def _queue_store(self, tier_hash: bytes, key: BlockKey, block_id: int) -> None:
+        """Store device block block_id as tier entry tier_hash in the next stores (the tier lacks it)."""
+        self._failed_loads.pop(tier_hash, None)  # stored afresh: a hit again once it is written
+        self._storing.add(tier_hash)
+        self._stores.append((tier_hash, key, block_id))
 
     def on_step_computed(self, block_manager) -> None:
         """After update_from_output: store the blocks the step indexed (computed, loaded or swapped in: all

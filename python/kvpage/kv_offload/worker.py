@@ -19,9 +19,9 @@ import torch
 
 import kvpage
 from kvpage import _C
+from kvpage.core.hashing import TOKEN_BYTES
 from kvpage.engine.executor_base import Executor
 
-from .connector import TOKEN_BYTES
 from .connector_api import KVConnectorMeta, KVLoadError
 from .disk_tier import DiskBlock
 
