@@ -11,6 +11,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "stream_store.h"
 #include "../ops.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -123,19 +124,6 @@ __attribute__((target("sse4.2"))) uint32_t raw_sse42(uint32_t crc, const uint8_t
   crc = static_cast<uint32_t>(c64);
   for (; n; ++p, --n) crc = _mm_crc32_u8(crc, *p);
   return crc;
-}
-
-// One 64-byte line src -> dst (64-byte aligned) with non-temporal stores: the rows a load writes are not read
-// again before they leave the caches, so a plain store's read-for-ownership of each line would be wasted traffic.
-inline void stream_line(uint8_t* dst, const uint8_t* src) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-  const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-  _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
 }
 
 // The raw CRC of 64-byte lines [0, len) at src, each line streamed to dst right after it is checksummed.

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "stream_store.h"
 
 namespace kvpage {
 namespace cpu {
@@ -40,16 +41,7 @@ void store_stream(uint8_t* dst, const uint8_t* src, size_t n) {
   const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
   std::memcpy(dst, src, head);
   size_t i = head;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
+  for (; i + 64 <= n; i += 64) stream_line(dst + i, src + i);
   std::memcpy(dst + i, src + i, n - i);
 #else
   std::memcpy(dst, src, n);
